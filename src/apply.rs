@@ -1,0 +1,205 @@
+//! The apply pool (DESIGN §2): a fixed set of threads that apply KV events to the index.
+//! Every event of a worker goes to the same thread (by hash of its identity), so a worker's
+//! events apply in order and its writer (reverse map) is owned by that thread alone. Queues
+//! are bounded: a full queue blocks the sender (backpressure), nothing is dropped.
+
+use crate::hash::{BlockHash, StoredBlock, WorkerId};
+use crate::index::{ApplyOutcome, KvIndex};
+use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// One KV event of a worker, decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WorkerEvent {
+    Stored { parent: Option<BlockHash>, blocks: Vec<StoredBlock> },
+    Removed { hashes: Vec<BlockHash> },
+    Cleared,
+}
+
+/// Called on the apply thread after each batch: the worker, what the batch did, its tag.
+pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64) + Send + Sync>;
+
+enum Command {
+    Apply { worker: WorkerId, events: Vec<WorkerEvent>, tag: u64 },
+    RemoveWorker(WorkerId),
+    Flush(Sender<()>),
+}
+
+/// The queue of a thread was full; the batch is handed back.
+#[derive(Debug)]
+pub struct QueueFull {
+    pub worker: WorkerId,
+    pub events: Vec<WorkerEvent>,
+}
+
+/// Counters of the pool, for metrics.
+#[derive(Default)]
+pub struct PoolStats {
+    /// Batches applied.
+    pub batches: AtomicU64,
+    /// Batches dropped because the worker registry was full (logged).
+    pub registry_full: AtomicU64,
+}
+
+/// A fixed pool of apply threads over one index.
+pub struct ApplyPool<I: KvIndex> {
+    index: Arc<I>,
+    senders: Vec<Sender<Command>>,
+    handles: Vec<JoinHandle<()>>,
+    totals: Arc<Vec<Mutex<ApplyOutcome>>>,
+    stats: Arc<PoolStats>,
+}
+
+impl<I: KvIndex> ApplyPool<I> {
+    /// Starts `threads` apply threads, each with a queue of `queue_capacity` batches.
+    pub fn new(index: Arc<I>, threads: usize, queue_capacity: usize, on_applied: Option<OnApplied>) -> Self {
+        let threads = threads.max(1);
+        let totals: Arc<Vec<Mutex<ApplyOutcome>>> = Arc::new((0..threads).map(|_| Mutex::default()).collect());
+        let stats = Arc::new(PoolStats::default());
+        let mut senders = Vec::with_capacity(threads);
+        let mut handles = Vec::with_capacity(threads);
+        for t in 0..threads {
+            let (tx, rx) = bounded(queue_capacity.max(1));
+            senders.push(tx);
+            let (index, totals, stats, hook) = (index.clone(), totals.clone(), stats.clone(), on_applied.clone());
+            let handle = std::thread::Builder::new()
+                .name(format!("kvindex-apply-{t}"))
+                .spawn(move || apply_loop(&*index, rx, &totals[t], &stats, hook))
+                .expect("spawning an apply thread");
+            handles.push(handle);
+        }
+        ApplyPool { index, senders, handles, totals, stats }
+    }
+
+    /// The index the pool writes to.
+    pub fn index(&self) -> &Arc<I> {
+        &self.index
+    }
+
+    fn thread_of(&self, worker: WorkerId) -> usize {
+        (rustc_hash::FxBuildHasher.hash_one(worker) % self.senders.len() as u64) as usize
+    }
+
+    /// Queues a worker's batch, waiting while its thread's queue is full.
+    pub fn apply(&self, worker: WorkerId, events: Vec<WorkerEvent>, tag: u64) {
+        let t = self.thread_of(worker);
+        // Send fails only once the thread has exited, which happens only on shutdown.
+        let _ = self.senders[t].send(Command::Apply { worker, events, tag });
+    }
+
+    /// Queues a worker's batch, or hands it back if its thread's queue is full.
+    pub fn try_apply(&self, worker: WorkerId, events: Vec<WorkerEvent>, tag: u64) -> Result<(), QueueFull> {
+        let t = self.thread_of(worker);
+        match self.senders[t].try_send(Command::Apply { worker, events, tag }) {
+            Ok(()) => Ok(()),
+            Err(TrySendError::Full(Command::Apply { worker, events, .. })) => Err(QueueFull { worker, events }),
+            Err(_) => Ok(()),
+        }
+    }
+
+    /// Drops every block of `worker` and frees its slot, after its queued events.
+    pub fn remove_worker(&self, worker: WorkerId) {
+        let _ = self.senders[self.thread_of(worker)].send(Command::RemoveWorker(worker));
+    }
+
+    /// Returns once everything queued before the call has been applied.
+    pub fn flush(&self) {
+        let (tx, rx) = bounded(self.senders.len());
+        for s in &self.senders {
+            let _ = s.send(Command::Flush(tx.clone()));
+        }
+        drop(tx);
+        while rx.recv().is_ok() {}
+    }
+
+    /// Batches waiting in each thread's queue.
+    pub fn queue_depths(&self) -> Vec<usize> {
+        self.senders.iter().map(|s| s.len()).collect()
+    }
+
+    /// Everything the pool's batches did so far.
+    pub fn totals(&self) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        for t in self.totals.iter() {
+            out.add(&t.lock());
+        }
+        out
+    }
+
+    /// The pool's counters.
+    pub fn stats(&self) -> &PoolStats {
+        &self.stats
+    }
+
+    /// Applies what is queued, then stops the threads.
+    pub fn shutdown(mut self) {
+        self.senders.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}
+
+fn apply_loop<I: KvIndex>(
+    index: &I,
+    rx: Receiver<Command>,
+    total: &Mutex<ApplyOutcome>,
+    stats: &PoolStats,
+    hook: Option<OnApplied>,
+) {
+    let mut writers: FxHashMap<WorkerId, I::Writer> = FxHashMap::default();
+    for cmd in rx {
+        match cmd {
+            Command::Apply { worker, events, tag } => {
+                let w = match writers.entry(worker) {
+                    std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
+                        Ok(w) => v.insert(w),
+                        Err(e) => {
+                            stats.registry_full.fetch_add(1, Ordering::Relaxed);
+                            tracing::error!(%worker, error = %e, "batch dropped: cannot track another worker");
+                            continue;
+                        }
+                    },
+                };
+                let mut out = ApplyOutcome::default();
+                for ev in &events {
+                    let o = match ev {
+                        WorkerEvent::Stored { parent, blocks } => index.store(w, *parent, blocks),
+                        WorkerEvent::Removed { hashes } => index.remove(w, hashes),
+                        WorkerEvent::Cleared => index.clear(w),
+                    };
+                    out.add(&o);
+                }
+                total.lock().add(&out);
+                stats.batches.fetch_add(1, Ordering::Relaxed);
+                if let Some(h) = &hook {
+                    h(worker, &out, tag);
+                }
+            }
+            Command::RemoveWorker(worker) => {
+                if let Some(w) = writers.remove(&worker) {
+                    let out = index.remove_worker(w);
+                    total.lock().add(&out);
+                }
+            }
+            Command::Flush(done) => {
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+impl<I: KvIndex> Drop for ApplyPool<I> {
+    fn drop(&mut self) {
+        self.senders.clear();
+        for h in self.handles.drain(..) {
+            let _ = h.join();
+        }
+    }
+}

@@ -1,0 +1,564 @@
+//! `kvindex bench`: replays a trace (through the mock engine) or a stream file against the
+//! chosen backends, side by side, and reports block ops/s, lookup latency and memory.
+
+use crate::alloc;
+use crate::apply::{ApplyPool, WorkerEvent};
+use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use crate::index::positional::{PositionalConfig, PositionalIndex};
+use crate::index::radix::RadixIndex;
+use crate::index::reference::ReferenceIndex;
+use crate::index::{Backend, KvIndex, MatchOptions};
+use crate::stream::StreamOp;
+use crate::trace::TimedOp;
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One operation, decoded once before any timing starts.
+#[derive(Clone, Debug)]
+pub enum Op {
+    Lookup(Vec<LocalHash>),
+    Event(WorkerId, WorkerEvent),
+}
+
+/// A replayable workload.
+pub struct Workload {
+    pub ops: Vec<Op>,
+    /// Arrival time (ms) of each op, when the workload came from a trace.
+    pub ts_ms: Option<Vec<u64>>,
+    pub lookup_blocks: u64,
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub lookups: u64,
+}
+
+impl Workload {
+    /// From a stream, with arrival times when known.
+    pub fn new(ops: Vec<StreamOp>, ts_ms: Option<Vec<u64>>) -> Self {
+        let (mut lookup_blocks, mut stored_blocks, mut removed_blocks, mut lookups) = (0, 0, 0, 0);
+        let ops = ops
+            .into_iter()
+            .map(|op| match op {
+                StreamOp::Lookup { local } => {
+                    lookups += 1;
+                    lookup_blocks += local.len() as u64;
+                    Op::Lookup(local.into_iter().map(LocalHash).collect())
+                }
+                StreamOp::Stored { worker, parent, blocks, .. } => {
+                    stored_blocks += blocks.len() as u64;
+                    let blocks = blocks.into_iter().map(|(l, b)| StoredBlock::new(b, l)).collect();
+                    Op::Event(WorkerId::new(worker, 0), WorkerEvent::Stored { parent: parent.map(BlockHash), blocks })
+                }
+                StreamOp::Removed { worker, seq, .. } => {
+                    removed_blocks += seq.len() as u64;
+                    Op::Event(WorkerId::new(worker, 0), WorkerEvent::Removed { hashes: seq.into_iter().map(BlockHash).collect() })
+                }
+                StreamOp::Cleared { worker, .. } => Op::Event(WorkerId::new(worker, 0), WorkerEvent::Cleared),
+            })
+            .collect();
+        Workload { ops, ts_ms, lookup_blocks, stored_blocks, removed_blocks, lookups }
+    }
+
+    /// From the mock engine's timed ops.
+    pub fn from_timed(ops: Vec<TimedOp>) -> Self {
+        let ts = ops.iter().map(|o| o.ts_ms).collect();
+        Self::new(ops.into_iter().map(|o| o.op).collect(), Some(ts))
+    }
+
+    pub fn block_ops(&self) -> u64 {
+        self.lookup_blocks + self.stored_blocks + self.removed_blocks
+    }
+
+    fn lookup_queries(&self) -> Vec<&[LocalHash]> {
+        self.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(&q[..]) } else { None }).collect()
+    }
+}
+
+/// What to measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Mode {
+    /// Every op in order on one thread (block ops = lookup + stored + removed blocks).
+    Sequential,
+    /// Only the events, on one thread.
+    Events,
+    /// Only the lookups are timed; events are applied untimed in between.
+    Lookups,
+    /// Events through the apply pool while lookup threads query at the same time.
+    Concurrent,
+    /// Every lookup of the trace against the final state, one at a time.
+    EndState,
+}
+
+/// Bench settings.
+#[derive(Clone, Debug)]
+pub struct BenchConfig {
+    pub backends: Vec<Backend>,
+    pub modes: Vec<Mode>,
+    pub apply_threads: usize,
+    pub lookup_threads: usize,
+    pub jump: usize,
+    pub progress: bool,
+    /// Runs of each backend; each row reports the best run (noisy machines).
+    pub repeat: usize,
+}
+
+/// One row of results.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BenchResult {
+    pub backend: String,
+    pub mode: String,
+    pub threads: String,
+    pub seconds: f64,
+    pub block_ops: u64,
+    pub block_ops_per_s: f64,
+    pub lookups: u64,
+    pub lookups_per_s: f64,
+    pub lookup_p50_us: f64,
+    pub lookup_p99_us: f64,
+    pub lookup_p999_us: f64,
+    /// Placements at the end (sequential mode).
+    pub placements: u64,
+    /// Heap bytes of the index at the end, per placement (sequential mode, counting allocator).
+    pub bytes_per_placement: Option<f64>,
+    /// Peak heap bytes of the index during the replay (sequential mode).
+    pub peak_index_bytes: Option<u64>,
+}
+
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000_000, 3).expect("valid histogram bounds")
+}
+
+fn us(h: &Histogram<u64>, q: f64) -> f64 {
+    if h.is_empty() {
+        0.0
+    } else {
+        h.value_at_quantile(q) as f64 / 1000.0
+    }
+}
+
+fn progress(enabled: bool, len: u64, msg: String) -> ProgressBar {
+    if !enabled {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len);
+    pb.set_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} ops {elapsed}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    pb.set_message(msg);
+    pb
+}
+
+/// Builds a backend by name and runs `f` on it.
+pub fn with_backend<R>(backend: Backend, jump: usize, f: impl FnOnceIndex<R>) -> R {
+    let max_depth = PositionalConfig::default().max_depth;
+    let max_workers = PositionalConfig::default().max_workers;
+    match backend {
+        Backend::Positional => f.call(|| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
+        Backend::Radix => f.call(|| RadixIndex::new(max_depth, max_workers)),
+        Backend::Reference => f.call(|| ReferenceIndex::new(max_depth, max_workers)),
+    }
+}
+
+/// A computation generic over the index type (a closure cannot be generic).
+pub trait FnOnceIndex<R> {
+    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> R;
+}
+
+/// Applies one event through a writer map owned by the caller.
+fn apply_event<I: KvIndex>(index: &I, writers: &mut FxHashMap<WorkerId, I::Writer>, worker: WorkerId, ev: &WorkerEvent) {
+    let w = match writers.entry(worker) {
+        std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+        std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
+            Ok(w) => v.insert(w),
+            Err(_) => return,
+        },
+    };
+    match ev {
+        WorkerEvent::Stored { parent, blocks } => index.store(w, *parent, blocks),
+        WorkerEvent::Removed { hashes } => index.remove(w, hashes),
+        WorkerEvent::Cleared => index.clear(w),
+    };
+}
+
+struct RunAll<'a> {
+    wl: &'a Workload,
+    cfg: &'a BenchConfig,
+}
+
+impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
+    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> Vec<BenchResult> {
+        let (wl, cfg) = (self.wl, self.cfg);
+        let mut rows = Vec::new();
+        let name = make().name().to_string();
+        let row =
+            |mode: &str, threads: String| BenchResult { backend: name.clone(), mode: mode.into(), threads, ..Default::default() };
+        let one = || "1".to_string();
+        let opts = MatchOptions::default();
+
+        let needs_state = cfg.modes.contains(&Mode::Sequential) || cfg.modes.contains(&Mode::EndState);
+        if needs_state {
+            let base = alloc::live_bytes();
+            alloc::reset_peak();
+            let index = make();
+            let mut writers = FxHashMap::default();
+            let mut lat = histogram();
+            let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} sequential"));
+            let start = Instant::now();
+            for (i, op) in wl.ops.iter().enumerate() {
+                match op {
+                    Op::Lookup(q) => {
+                        let t = Instant::now();
+                        std::hint::black_box(index.find_matches(q, &opts));
+                        let _ = lat.record(t.elapsed().as_nanos() as u64);
+                    }
+                    Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
+                }
+                if i % 1024 == 0 {
+                    pb.set_position(i as u64);
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            pb.finish_and_clear();
+            let placements = index.stats().placements;
+            let counting = alloc::is_counting();
+            let held = alloc::live_bytes().saturating_sub(base);
+            let peak = alloc::peak_bytes().saturating_sub(base);
+            if cfg.modes.contains(&Mode::Sequential) {
+                rows.push(BenchResult {
+                    seconds: secs,
+                    block_ops: wl.block_ops(),
+                    block_ops_per_s: wl.block_ops() as f64 / secs,
+                    lookups: wl.lookups,
+                    lookups_per_s: wl.lookups as f64 / secs,
+                    lookup_p50_us: us(&lat, 0.5),
+                    lookup_p99_us: us(&lat, 0.99),
+                    lookup_p999_us: us(&lat, 0.999),
+                    placements,
+                    bytes_per_placement: (counting && placements > 0).then(|| held as f64 / placements as f64),
+                    peak_index_bytes: counting.then_some(peak as u64),
+                    ..row("sequential", one())
+                });
+            }
+            if cfg.modes.contains(&Mode::EndState) {
+                let queries = wl.lookup_queries();
+                for q in &queries {
+                    std::hint::black_box(index.find_matches(q, &opts));
+                }
+                let mut lat = histogram();
+                let mut blocks = 0u64;
+                let start = Instant::now();
+                for q in &queries {
+                    let t = Instant::now();
+                    std::hint::black_box(index.find_matches(q, &opts));
+                    let _ = lat.record(t.elapsed().as_nanos() as u64);
+                    blocks += q.len() as u64;
+                }
+                let secs = start.elapsed().as_secs_f64();
+                rows.push(BenchResult {
+                    seconds: secs,
+                    block_ops: blocks,
+                    block_ops_per_s: blocks as f64 / secs,
+                    lookups: queries.len() as u64,
+                    lookups_per_s: queries.len() as f64 / secs,
+                    lookup_p50_us: us(&lat, 0.5),
+                    lookup_p99_us: us(&lat, 0.99),
+                    lookup_p999_us: us(&lat, 0.999),
+                    placements,
+                    ..row("end-state", one())
+                });
+            }
+        }
+
+        if cfg.modes.contains(&Mode::Events) {
+            let index = make();
+            let mut writers = FxHashMap::default();
+            let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} events"));
+            let start = Instant::now();
+            for (i, op) in wl.ops.iter().enumerate() {
+                if let Op::Event(w, ev) = op {
+                    apply_event(&index, &mut writers, *w, ev);
+                }
+                if i % 1024 == 0 {
+                    pb.set_position(i as u64);
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            pb.finish_and_clear();
+            let blocks = wl.stored_blocks + wl.removed_blocks;
+            rows.push(BenchResult {
+                seconds: secs,
+                block_ops: blocks,
+                block_ops_per_s: blocks as f64 / secs,
+                ..row("events", one())
+            });
+        }
+
+        if cfg.modes.contains(&Mode::Lookups) {
+            let index = make();
+            let mut writers = FxHashMap::default();
+            let mut lat = histogram();
+            let mut busy = Duration::ZERO;
+            let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} lookups"));
+            for (i, op) in wl.ops.iter().enumerate() {
+                match op {
+                    Op::Lookup(q) => {
+                        let t = Instant::now();
+                        std::hint::black_box(index.find_matches(q, &opts));
+                        let d = t.elapsed();
+                        busy += d;
+                        let _ = lat.record(d.as_nanos() as u64);
+                    }
+                    Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
+                }
+                if i % 1024 == 0 {
+                    pb.set_position(i as u64);
+                }
+            }
+            pb.finish_and_clear();
+            let secs = busy.as_secs_f64();
+            rows.push(BenchResult {
+                seconds: secs,
+                block_ops: wl.lookup_blocks,
+                block_ops_per_s: wl.lookup_blocks as f64 / secs,
+                lookups: wl.lookups,
+                lookups_per_s: wl.lookups as f64 / secs,
+                lookup_p50_us: us(&lat, 0.5),
+                lookup_p99_us: us(&lat, 0.99),
+                lookup_p999_us: us(&lat, 0.999),
+                ..row("lookups", one())
+            });
+        }
+
+        if cfg.modes.contains(&Mode::Concurrent) {
+            rows.push(concurrent(make(), wl, cfg, row("concurrent", format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads))));
+        }
+        rows
+    }
+}
+
+/// Events through the apply pool, lookups from other threads at the same time.
+fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: BenchResult) -> BenchResult {
+    let index = Arc::new(index);
+    let pool = ApplyPool::new(index.clone(), cfg.apply_threads, 1024, None);
+    let queries = wl.lookup_queries();
+    let done = AtomicBool::new(false);
+    let looked = AtomicU64::new(0);
+    let looked_blocks = AtomicU64::new(0);
+    let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{} concurrent", row.backend));
+    let (secs, hists) = std::thread::scope(|s| {
+        let readers: Vec<_> = (0..cfg.lookup_threads)
+            .map(|t| {
+                let (index, queries, done, looked, looked_blocks) = (&index, &queries, &done, &looked, &looked_blocks);
+                s.spawn(move || {
+                    let mut lat = histogram();
+                    let opts = MatchOptions::default();
+                    let mut i = t * 7919;
+                    while !done.load(Ordering::Relaxed) && !queries.is_empty() {
+                        let q = queries[i % queries.len()];
+                        let t0 = Instant::now();
+                        std::hint::black_box(index.find_matches(q, &opts));
+                        let _ = lat.record(t0.elapsed().as_nanos() as u64);
+                        looked.fetch_add(1, Ordering::Relaxed);
+                        looked_blocks.fetch_add(q.len() as u64, Ordering::Relaxed);
+                        i += 1;
+                    }
+                    lat
+                })
+            })
+            .collect();
+        let start = Instant::now();
+        for (i, op) in wl.ops.iter().enumerate() {
+            if let Op::Event(w, ev) = op {
+                pool.apply(*w, vec![ev.clone()], 0);
+            }
+            if i % 1024 == 0 {
+                pb.set_position(i as u64);
+            }
+        }
+        pool.flush();
+        let secs = start.elapsed().as_secs_f64();
+        done.store(true, Ordering::Relaxed);
+        let hists: Vec<Histogram<u64>> = readers.into_iter().filter_map(|r| r.join().ok()).collect();
+        (secs, hists)
+    });
+    pb.finish_and_clear();
+    let mut lat = histogram();
+    for h in &hists {
+        let _ = lat.add(h);
+    }
+    let blocks = wl.stored_blocks + wl.removed_blocks;
+    let n = looked.load(Ordering::Relaxed);
+    row.seconds = secs;
+    row.block_ops = blocks;
+    row.block_ops_per_s = blocks as f64 / secs;
+    row.lookups = n;
+    row.lookups_per_s = n as f64 / secs;
+    row.lookup_p50_us = us(&lat, 0.5);
+    row.lookup_p99_us = us(&lat, 0.99);
+    row.lookup_p999_us = us(&lat, 0.999);
+    row.placements = index.stats().placements;
+    let _ = looked_blocks.load(Ordering::Relaxed);
+    row
+}
+
+/// Runs every configured mode on every configured backend.
+pub fn run(wl: &Workload, cfg: &BenchConfig) -> Vec<BenchResult> {
+    let mut rows: Vec<BenchResult> = Vec::new();
+    for &b in &cfg.backends {
+        let first = rows.len();
+        for _ in 0..cfg.repeat.max(1) {
+            for r in with_backend(b, cfg.jump, RunAll { wl, cfg }) {
+                match rows[first..].iter_mut().find(|x| x.mode == r.mode) {
+                    Some(best) if best.block_ops_per_s >= r.block_ops_per_s => {}
+                    Some(best) => *best = r,
+                    None => rows.push(r),
+                }
+            }
+        }
+    }
+    rows
+}
+
+/// One point of a saturation sweep.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct SweepPoint {
+    pub backend: String,
+    pub speedup: f64,
+    pub offered_block_ops_per_s: f64,
+    pub achieved_block_ops_per_s: f64,
+    /// How late ops ran behind their compressed arrival time.
+    pub lag_p50_us: f64,
+    pub lag_p99_us: f64,
+}
+
+struct Sweep<'a> {
+    wl: &'a Workload,
+    ts: &'a [u64],
+    speedups: &'a [f64],
+    progress: bool,
+}
+
+impl FnOnceIndex<Vec<SweepPoint>> for Sweep<'_> {
+    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> Vec<SweepPoint> {
+        let span_ms = self.ts.last().copied().unwrap_or(0).max(1) as f64;
+        let opts = MatchOptions::default();
+        let mut out = Vec::new();
+        for &s in self.speedups {
+            let index = make();
+            let mut writers = FxHashMap::default();
+            let mut lag = histogram();
+            let pb = progress(self.progress, self.wl.ops.len() as u64, format!("{} sweep x{s}", index.name()));
+            let start = Instant::now();
+            for (i, op) in self.wl.ops.iter().enumerate() {
+                let due = Duration::from_secs_f64(self.ts[i] as f64 / 1000.0 / s);
+                let now = start.elapsed();
+                if now < due {
+                    std::thread::sleep(due - now);
+                } else {
+                    let _ = lag.record((now - due).as_nanos() as u64);
+                }
+                match op {
+                    Op::Lookup(q) => {
+                        std::hint::black_box(index.find_matches(q, &opts));
+                    }
+                    Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
+                }
+                if i % 1024 == 0 {
+                    pb.set_position(i as u64);
+                }
+            }
+            let secs = start.elapsed().as_secs_f64();
+            pb.finish_and_clear();
+            out.push(SweepPoint {
+                backend: index.name().to_string(),
+                speedup: s,
+                offered_block_ops_per_s: self.wl.block_ops() as f64 / (span_ms / 1000.0 / s),
+                achieved_block_ops_per_s: self.wl.block_ops() as f64 / secs,
+                lag_p50_us: us(&lag, 0.5),
+                lag_p99_us: us(&lag, 0.99),
+            });
+        }
+        out
+    }
+}
+
+/// Replays the trace with its timeline compressed by each speedup: achieved vs offered.
+pub fn sweep(
+    wl: &Workload,
+    backends: &[Backend],
+    jump: usize,
+    speedups: &[f64],
+    progress: bool,
+) -> anyhow::Result<Vec<SweepPoint>> {
+    let ts = wl.ts_ms.as_deref().ok_or_else(|| anyhow::anyhow!("--sweep needs a trace (a stream file has no arrival times)"))?;
+    let mut out = Vec::new();
+    for &b in backends {
+        out.extend(with_backend(b, jump, Sweep { wl, ts, speedups, progress }));
+    }
+    Ok(out)
+}
+
+fn si(x: f64) -> String {
+    if x >= 1e6 {
+        format!("{:.2}M", x / 1e6)
+    } else if x >= 1e3 {
+        format!("{:.1}k", x / 1e3)
+    } else {
+        format!("{x:.0}")
+    }
+}
+
+/// The results as an aligned text table.
+pub fn table(rows: &[BenchResult]) -> String {
+    let mut s = format!(
+        "{:<11} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}\n",
+        "backend", "mode", "threads", "seconds", "block ops/s", "lookups/s", "p50 us", "p99 us", "p999 us", "B/place", "peak MiB"
+    );
+    for r in rows {
+        let bpp = r.bytes_per_placement.map_or("-".into(), |b| format!("{b:.1}"));
+        let peak = r.peak_index_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
+        let lat = |v: f64| if r.lookups == 0 { "-".to_string() } else { format!("{v:.2}") };
+        s += &format!(
+            "{:<11} {:<11} {:>7} {:>9.3} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}\n",
+            r.backend,
+            r.mode,
+            r.threads,
+            r.seconds,
+            si(r.block_ops_per_s),
+            if r.lookups == 0 { "-".into() } else { si(r.lookups_per_s) },
+            lat(r.lookup_p50_us),
+            lat(r.lookup_p99_us),
+            lat(r.lookup_p999_us),
+            bpp,
+            peak
+        );
+    }
+    s
+}
+
+/// The sweep as an aligned text table.
+pub fn sweep_table(points: &[SweepPoint]) -> String {
+    let mut s = format!(
+        "{:<11} {:>8} {:>14} {:>14} {:>11} {:>11}\n",
+        "backend", "speedup", "offered ops/s", "achieved ops/s", "lag p50 us", "lag p99 us"
+    );
+    for p in points {
+        s += &format!(
+            "{:<11} {:>8} {:>14} {:>14} {:>11.1} {:>11.1}\n",
+            p.backend,
+            p.speedup,
+            si(p.offered_block_ops_per_s),
+            si(p.achieved_block_ops_per_s),
+            p.lag_p50_us,
+            p.lag_p99_us
+        );
+    }
+    s
+}

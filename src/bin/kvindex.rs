@@ -1,0 +1,172 @@
+//! The `kvindex` command line: a thin layer over the library.
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use kvindex::bench::{self, BenchConfig, Mode, Workload};
+use kvindex::index::Backend;
+use kvindex::stream;
+use kvindex::trace::{self, MockConfig, MockEngine};
+use std::path::PathBuf;
+
+#[global_allocator]
+static ALLOC: kvindex::alloc::CountingAlloc = kvindex::alloc::CountingAlloc;
+
+#[derive(Parser)]
+#[command(name = "kvindex", version, about = "Global KV-cache block index for KV-aware LLM routing")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Replay a trace or stream against index backends and report throughput, latency, memory.
+    Bench(BenchArgs),
+    /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
+    Gen(GenArgs),
+}
+
+/// Where the workload comes from.
+#[derive(Args, Clone)]
+struct Source {
+    /// Mooncake trace (JSONL) to run through the mock engine.
+    #[arg(long, default_value = "data/traces/conversation_trace.jsonl", conflicts_with = "stream")]
+    trace: PathBuf,
+    /// Replay stream (JSONL) to use instead of a trace.
+    #[arg(long)]
+    stream: Option<PathBuf>,
+    /// Mock engine: number of workers.
+    #[arg(long, default_value_t = 16)]
+    workers: u64,
+    /// Mock engine: LRU capacity of each worker, in blocks.
+    #[arg(long, default_value_t = 16384)]
+    capacity: usize,
+    /// Mock engine: each trace block becomes this many blocks.
+    #[arg(long, default_value_t = 16)]
+    factor: u64,
+    /// Mock engine: seed of the worker choice.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+}
+
+impl Source {
+    fn mock(&self) -> MockConfig {
+        MockConfig { workers: self.workers, capacity: self.capacity, factor: self.factor, seed: self.seed }
+    }
+
+    fn load(&self) -> Result<Workload> {
+        if let Some(path) = &self.stream {
+            let f = std::fs::File::open(path).with_context(|| format!("opening stream {}", path.display()))?;
+            return Ok(Workload::new(stream::read_stream(std::io::BufReader::new(f))?, None));
+        }
+        let trace = trace::read_trace_file(&self.trace)?;
+        Ok(Workload::from_timed(MockEngine::run(self.mock(), &trace)))
+    }
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    source: Source,
+    /// Backends to compare, side by side.
+    #[arg(long, value_delimiter = ',', default_value = "positional,radix")]
+    backends: Vec<Backend>,
+    /// What to measure.
+    #[arg(long, value_delimiter = ',', default_value = "sequential,end-state,events,lookups,concurrent")]
+    modes: Vec<Mode>,
+    /// Apply threads in the concurrent mode.
+    #[arg(long, default_value_t = 2)]
+    apply_threads: usize,
+    /// Lookup threads in the concurrent mode.
+    #[arg(long, default_value_t = 1)]
+    lookup_threads: usize,
+    /// Jump of the positional index's search.
+    #[arg(long, default_value_t = kvindex::index::positional::PositionalConfig::default().jump)]
+    jump: usize,
+    /// Instead of the modes: compress the trace's timeline by each factor, report achieved vs offered.
+    #[arg(long)]
+    sweep: bool,
+    /// Timeline compression factors of --sweep.
+    #[arg(long, value_delimiter = ',', default_value = "500,1000,2000,4000,8000")]
+    speedups: Vec<f64>,
+    /// Run each backend this many times and report each mode's best run.
+    #[arg(long, default_value_t = 1)]
+    repeat: usize,
+    /// Print JSON (one object per backend and mode) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// No progress bars.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+#[derive(Args)]
+struct GenArgs {
+    #[command(flatten)]
+    source: Source,
+    /// Output file (`-` for stdout).
+    #[arg(long, short, default_value = "-")]
+    out: String,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Command::Bench(a) => bench_cmd(a),
+        Command::Gen(a) => gen_cmd(a),
+    }
+}
+
+fn bench_cmd(a: BenchArgs) -> Result<()> {
+    let wl = a.source.load()?;
+    eprintln!(
+        "workload: {} ops, {} lookups; blocks: {} lookup + {} stored + {} removed = {} block ops",
+        wl.ops.len(),
+        wl.lookups,
+        wl.lookup_blocks,
+        wl.stored_blocks,
+        wl.removed_blocks,
+        wl.block_ops()
+    );
+    let progress = !a.no_progress && !a.json;
+    if a.sweep {
+        let points = bench::sweep(&wl, &a.backends, a.jump, &a.speedups, progress)?;
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&points)?);
+        } else {
+            print!("{}", bench::sweep_table(&points));
+        }
+        return Ok(());
+    }
+    let cfg = BenchConfig {
+        backends: a.backends,
+        modes: a.modes,
+        apply_threads: a.apply_threads,
+        lookup_threads: a.lookup_threads,
+        jump: a.jump,
+        progress,
+        repeat: a.repeat,
+    };
+    let rows = bench::run(&wl, &cfg);
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", bench::table(&rows));
+    }
+    Ok(())
+}
+
+fn gen_cmd(a: GenArgs) -> Result<()> {
+    let trace = trace::read_trace_file(&a.source.trace)?;
+    let ops = MockEngine::run(a.source.mock(), &trace);
+    let ops = ops.iter().map(|o| &o.op);
+    if a.out == "-" {
+        stream::write_stream(std::io::BufWriter::new(std::io::stdout().lock()), ops)
+    } else {
+        let f = std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out))?;
+        stream::write_stream(std::io::BufWriter::new(f), ops)
+    }
+}

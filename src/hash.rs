@@ -1,0 +1,189 @@
+//! Block identity (DESIGN §1): local hashes of token blocks, the engine's opaque block hashes,
+//! kvindex's rolling prefix hashes, and worker identities.
+
+use serde::{Deserialize, Serialize};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Seed of every XXH3-64 hash kvindex computes (the scheme NVIDIA Dynamo uses).
+pub const HASH_SEED: u64 = 1337;
+
+/// Hash of the tokens of one full block, independent of its position.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct LocalHash(pub u64);
+
+/// The engine's own hash of a block: opaque, used only as the key of `removed` events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct BlockHash(pub u64);
+
+/// kvindex's rolling hash of a whole prefix: `p[0] = local[0]`, `p[i] = H(p[i-1], local[i])`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PrefixHash(pub u64);
+
+impl PrefixHash {
+    /// The prefix hash of a block at position 0.
+    #[inline]
+    pub fn root(local: LocalHash) -> Self {
+        PrefixHash(local.0)
+    }
+
+    /// The prefix hash of the block `local` placed after the prefix `self`.
+    #[inline]
+    pub fn extend(self, local: LocalHash) -> Self {
+        let mut buf = [0u8; 16];
+        buf[..8].copy_from_slice(&self.0.to_le_bytes());
+        buf[8..].copy_from_slice(&local.0.to_le_bytes());
+        PrefixHash(xxh3_64_with_seed(&buf, HASH_SEED))
+    }
+
+    /// The prefix hash of `local` under an optional parent prefix.
+    #[inline]
+    pub fn child_of(parent: Option<PrefixHash>, local: LocalHash) -> Self {
+        match parent {
+            None => Self::root(local),
+            Some(p) => p.extend(local),
+        }
+    }
+}
+
+/// Fills `out` with the prefix chain of `locals`.
+pub fn prefix_chain(locals: &[LocalHash], out: &mut Vec<PrefixHash>) {
+    out.clear();
+    let mut prev = None;
+    for &l in locals {
+        let p = PrefixHash::child_of(prev, l);
+        out.push(p);
+        prev = Some(p);
+    }
+}
+
+/// A worker: an engine instance and its data-parallel rank.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkerId {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+impl WorkerId {
+    pub fn new(worker_id: u64, dp_rank: u32) -> Self {
+        WorkerId { worker_id, dp_rank }
+    }
+}
+
+impl std::fmt::Display for WorkerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.worker_id, self.dp_rank)
+    }
+}
+
+/// One block of a `stored` event: the engine's hash and the local hash of its tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct StoredBlock {
+    pub block_hash: BlockHash,
+    pub tokens_hash: LocalHash,
+}
+
+impl StoredBlock {
+    pub fn new(block_hash: u64, tokens_hash: u64) -> Self {
+        StoredBlock { block_hash: BlockHash(block_hash), tokens_hash: LocalHash(tokens_hash) }
+    }
+}
+
+/// The XXH3 seed for a request's blocks.
+///
+/// Without a LoRA adapter or cache salt it is [`HASH_SEED`]. With either, the seed is
+/// `XXH3-64(seed 1337, lora_name ++ 0x00 ++ salt)` (UTF-8, a missing one as the empty
+/// string), so different adapters or salts never share cached blocks.
+pub fn block_seed(lora_name: Option<&str>, salt: Option<&str>) -> u64 {
+    if lora_name.is_none() && salt.is_none() {
+        return HASH_SEED;
+    }
+    let lora = lora_name.unwrap_or("").as_bytes();
+    let salt = salt.unwrap_or("").as_bytes();
+    let mut buf = Vec::with_capacity(lora.len() + 1 + salt.len());
+    buf.extend_from_slice(lora);
+    buf.push(0);
+    buf.extend_from_slice(salt);
+    xxh3_64_with_seed(&buf, HASH_SEED)
+}
+
+/// Local hash of one block of token ids: XXH3-64 of the little-endian u32 ids.
+pub fn hash_block_tokens(tokens: &[u32], seed: u64) -> LocalHash {
+    let mut buf = Vec::with_capacity(tokens.len() * 4);
+    for t in tokens {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    LocalHash(xxh3_64_with_seed(&buf, seed))
+}
+
+/// Local hashes of every *full* block of `tokens`; a partial trailing block is not hashed.
+/// A `block_size` of zero yields no blocks.
+pub fn local_hashes(tokens: &[u32], block_size: usize, lora_name: Option<&str>, salt: Option<&str>) -> Vec<LocalHash> {
+    if block_size == 0 {
+        return Vec::new();
+    }
+    let seed = block_seed(lora_name, salt);
+    tokens.chunks_exact(block_size).map(|b| hash_block_tokens(b, seed)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_hash_matches_xxh3_of_le_bytes() {
+        // XXH3-64(seed 1337) of the bytes 01 00 00 00 02 00 00 00 03 00 00 00 04 00 00 00.
+        let bytes: Vec<u8> = [1u32, 2, 3, 4].iter().flat_map(|t| t.to_le_bytes()).collect();
+        assert_eq!(hash_block_tokens(&[1, 2, 3, 4], HASH_SEED).0, xxh3_64_with_seed(&bytes, 1337));
+        assert_eq!(hash_block_tokens(&[1, 2, 3, 4], HASH_SEED).0, FIXED_1234);
+    }
+
+    /// From an independent implementation (python-xxhash 3, `xxh3_64_intdigest(..., seed=1337)`).
+    const FIXED_1234: u64 = 0xcb38_e4d7_fb2d_ca5c;
+
+    #[test]
+    fn only_full_blocks_are_hashed() {
+        let toks: Vec<u32> = (0..10).collect();
+        let h = local_hashes(&toks, 4, None, None);
+        assert_eq!(h.len(), 2);
+        assert_eq!(h[0], hash_block_tokens(&[0, 1, 2, 3], HASH_SEED));
+        assert_eq!(h[1], hash_block_tokens(&[4, 5, 6, 7], HASH_SEED));
+        assert!(local_hashes(&toks, 0, None, None).is_empty());
+        assert!(local_hashes(&toks[..3], 4, None, None).is_empty());
+    }
+
+    #[test]
+    fn lora_and_salt_change_the_seed() {
+        let toks = [7u32, 8, 9, 10];
+        let plain = local_hashes(&toks, 4, None, None)[0];
+        let lora = local_hashes(&toks, 4, Some("sql-adapter"), None)[0];
+        let salt = local_hashes(&toks, 4, None, Some("tenant-a"))[0];
+        let both = local_hashes(&toks, 4, Some("sql-adapter"), Some("tenant-a"))[0];
+        let all = [plain, lora, salt, both];
+        for i in 0..all.len() {
+            for j in i + 1..all.len() {
+                assert_ne!(all[i], all[j]);
+            }
+        }
+        assert_eq!(block_seed(Some("sql-adapter"), None), xxh3_64_with_seed(b"sql-adapter\0", 1337));
+        assert_eq!(block_seed(None, Some("tenant-a")), xxh3_64_with_seed(b"\0tenant-a", 1337));
+        assert_eq!(lora, hash_block_tokens(&toks, xxh3_64_with_seed(b"sql-adapter\0", 1337)));
+    }
+
+    #[test]
+    fn prefix_chain_is_rolling() {
+        let l = [LocalHash(11), LocalHash(22), LocalHash(33)];
+        let mut out = Vec::new();
+        prefix_chain(&l, &mut out);
+        assert_eq!(out[0], PrefixHash(11));
+        let mut b = [0u8; 16];
+        b[..8].copy_from_slice(&11u64.to_le_bytes());
+        b[8..].copy_from_slice(&22u64.to_le_bytes());
+        assert_eq!(out[1].0, xxh3_64_with_seed(&b, 1337));
+        assert_eq!(out[2], out[1].extend(LocalHash(33)));
+        // Same chunk under another parent gives another prefix.
+        assert_ne!(PrefixHash(12).extend(LocalHash(22)), out[1]);
+    }
+}

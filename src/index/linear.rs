@@ -1,0 +1,248 @@
+//! A small open-addressing hash map for the index's hot tables: u64 keys that are already
+//! hashes (prefix hashes, engine block hashes), linear probing, backward-shift deletion.
+//!
+//! Key and value share one slot, so a lookup costs one cache miss where a SwissTable costs
+//! two (control bytes, then the bucket); deletion leaves no tombstones, so steady churn
+//! never grows the table; the table shrinks when mostly empty. Load stays in 3/16..3/4.
+
+/// Slot key marking an empty slot; a real key equal to it lives in `zero`.
+const EMPTY: u64 = 0;
+const MIN_CAP: usize = 8;
+
+#[derive(Clone, Copy, Default)]
+struct Slot<V> {
+    key: u64,
+    val: V,
+}
+
+/// Map from u64 keys to small `Copy` values.
+#[derive(Default)]
+pub(crate) struct LinearMap<V: Copy + Default> {
+    slots: Vec<Slot<V>>,
+    /// Keys in `slots` (not counting `zero`).
+    used: usize,
+    shift: u32,
+    zero: Option<V>,
+}
+
+impl<V: Copy + Default> LinearMap<V> {
+    #[inline]
+    fn home(&self, key: u64) -> usize {
+        // Fibonacci hashing: the top bits of key * 2^64/phi; spreads sequential keys too.
+        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// Index of `key`'s slot, if present (`key` != EMPTY).
+    #[inline]
+    fn find(&self, key: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.mask();
+        let mut i = self.home(key);
+        loop {
+            let k = self.slots[i].key;
+            if k == key {
+                return Some(i);
+            }
+            if k == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.used + self.zero.is_some() as usize
+    }
+
+    #[inline]
+    pub fn get(&self, key: u64) -> Option<&V> {
+        if key == EMPTY {
+            return self.zero.as_ref();
+        }
+        self.find(key).map(|i| &self.slots[i].val)
+    }
+
+    #[inline]
+    pub fn get_mut(&mut self, key: u64) -> Option<&mut V> {
+        if key == EMPTY {
+            return self.zero.as_mut();
+        }
+        self.find(key).map(|i| &mut self.slots[i].val)
+    }
+
+    /// Inserts or replaces; returns the old value.
+    #[inline]
+    pub fn insert(&mut self, key: u64, val: V) -> Option<V> {
+        if key == EMPTY {
+            return self.zero.replace(val);
+        }
+        if (self.used + 1) * 4 > self.slots.len() * 3 {
+            self.resize((self.slots.len() * 2).max(MIN_CAP));
+        }
+        let mask = self.mask();
+        let mut i = self.home(key);
+        loop {
+            let s = &mut self.slots[i];
+            if s.key == key {
+                return Some(std::mem::replace(&mut s.val, val));
+            }
+            if s.key == EMPTY {
+                *s = Slot { key, val };
+                self.used += 1;
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Removes `key`; shifts later keys of its probe run back so no tombstone remains.
+    #[inline]
+    pub fn remove(&mut self, key: u64) -> Option<V> {
+        if key == EMPTY {
+            return self.zero.take();
+        }
+        let mut hole = self.find(key)?;
+        let val = self.slots[hole].val;
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let k = self.slots[j].key;
+            if k == EMPTY {
+                break;
+            }
+            // Move k back into the hole unless its home lies cyclically in (hole, j].
+            if (j.wrapping_sub(self.home(k)) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = self.slots[j];
+                hole = j;
+            }
+        }
+        self.slots[hole].key = EMPTY;
+        self.used -= 1;
+        if self.used == 0 {
+            self.slots = Vec::new();
+        } else if self.slots.len() > MIN_CAP && self.used * 16 < self.slots.len() * 3 {
+            self.resize((self.used * 2).next_power_of_two().max(MIN_CAP));
+        }
+        Some(val)
+    }
+
+    fn resize(&mut self, cap: usize) {
+        let old = std::mem::take(&mut self.slots);
+        self.slots = vec![Slot::default(); cap];
+        self.shift = 64 - cap.trailing_zeros();
+        let mask = cap - 1;
+        for s in old.into_iter().filter(|s| s.key != EMPTY) {
+            let mut i = self.home(s.key);
+            while self.slots[i].key != EMPTY {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = s;
+        }
+    }
+
+    /// Hints the CPU to fetch `key`'s home slot.
+    #[inline]
+    pub fn prefetch(&self, key: u64) {
+        #[cfg(target_arch = "x86_64")]
+        if !self.slots.is_empty() {
+            let p = &self.slots[self.home(key)] as *const Slot<V> as *const i8;
+            // SAFETY: prefetching is a hint; `p` points into the live slot array.
+            #[allow(unused_unsafe)]
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p)
+            };
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = key;
+    }
+
+    /// Where the slots are and how keys map to them, for [`prefetch_raw`] by a thread that
+    /// does not hold the map.
+    pub fn raw_hint(&self) -> (*const u8, u32) {
+        (self.slots.as_ptr() as *const u8, self.shift)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> + '_ {
+        self.zero.iter().map(|v| (EMPTY, v)).chain(self.slots.iter().filter(|s| s.key != EMPTY).map(|s| (s.key, &s.val)))
+    }
+
+    /// Heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        self.slots.capacity() * std::mem::size_of::<Slot<V>>()
+    }
+}
+
+/// Prefetches `key`'s home slot given a [`LinearMap::raw_hint`] that may be stale: the
+/// address is only computed and hinted, never dereferenced, so a stale hint is harmless.
+#[inline]
+pub(crate) fn prefetch_raw<V>(ptr: *const u8, shift: u32, key: u64) {
+    if ptr.is_null() || shift == 0 || shift >= 64 {
+        return;
+    }
+    let idx = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+    let _p = ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>());
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: prefetching is a hint and cannot fault, whatever the address.
+    #[allow(unused_unsafe)]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(_p as *const i8)
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use std::collections::HashMap;
+
+    proptest! {
+        #[test]
+        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..3, 0u64..40, any::<u32>()), 0..600)) {
+            let mut m: LinearMap<u32> = LinearMap::default();
+            let mut r: HashMap<u64, u32> = HashMap::new();
+            for (op, k, v) in ops {
+                // Small keys collide in probe runs; also exercise key 0 and multiples of 2^60.
+                let key = if k % 7 == 0 { k << 58 } else { k };
+                match op {
+                    0 => prop_assert_eq!(m.insert(key, v), r.insert(key, v)),
+                    1 => prop_assert_eq!(m.remove(key), r.remove(&key)),
+                    _ => prop_assert_eq!(m.get(key).copied(), r.get(&key).copied()),
+                }
+                prop_assert_eq!(m.len(), r.len());
+            }
+            let mut got: Vec<_> = m.iter().map(|(k, v)| (k, *v)).collect();
+            let mut want: Vec<_> = r.into_iter().collect();
+            got.sort_unstable();
+            want.sort_unstable();
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn churn_keeps_size_and_emptying_gives_memory_back() {
+        let mut m: LinearMap<u64> = LinearMap::default();
+        for i in 1..=16384u64 {
+            m.insert(i, i);
+        }
+        let settled = m.heap_bytes();
+        for i in 16385..1_000_000u64 {
+            assert_eq!(m.remove(i - 16384), Some(i - 16384));
+            m.insert(i, i);
+        }
+        assert_eq!(m.len(), 16384);
+        assert_eq!(m.heap_bytes(), settled);
+        for i in 1_000_000 - 16384..1_000_000u64 {
+            m.remove(i);
+        }
+        assert_eq!(m.len(), 0);
+        assert_eq!(m.heap_bytes(), 0);
+    }
+}

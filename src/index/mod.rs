@@ -1,0 +1,170 @@
+//! The index behind one trait: who holds which block, and who matches a request's prefix.
+//!
+//! Writes go through a per-worker [`KvIndex::Writer`] that the caller owns exclusively (in the
+//! daemon, one apply thread owns each worker's writer), so a worker's reverse map needs no
+//! lock. Lookups take `&self` and run on the caller's thread, concurrently with writes.
+//!
+//! Backends: [`positional::PositionalIndex`] (the default), [`radix::RadixIndex`] and the
+//! [`reference::ReferenceIndex`] model that the tests compare both against.
+
+mod linear;
+pub mod positional;
+pub mod radix;
+pub mod reference;
+
+use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use crate::workers::{RegistryError, Slot, SlotBits, WorkerRegistry};
+use serde::Serialize;
+
+/// What one write did, for the caller to count. Bad input is reported here, never a panic.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ApplyOutcome {
+    /// Blocks newly placed.
+    pub stored: u64,
+    /// Blocks stored again at the same place (idempotent, nothing changed).
+    pub duplicates: u64,
+    /// Stored blocks whose engine hash the worker already held elsewhere (old placement dropped).
+    pub replaced: u64,
+    /// Blocks removed (by `removed` or `cleared`).
+    pub removed: u64,
+    /// `removed` hashes the worker did not hold.
+    pub unknown_removes: u64,
+    /// Stored blocks that could not be placed: their parent is not held by the worker.
+    pub unplaceable: u64,
+    /// Stored blocks beyond the index's maximum depth.
+    pub too_deep: u64,
+}
+
+impl ApplyOutcome {
+    /// Adds `other` into `self`.
+    pub fn add(&mut self, other: &ApplyOutcome) {
+        self.stored += other.stored;
+        self.duplicates += other.duplicates;
+        self.replaced += other.replaced;
+        self.removed += other.removed;
+        self.unknown_removes += other.unknown_removes;
+        self.unplaceable += other.unplaceable;
+        self.too_deep += other.too_deep;
+    }
+}
+
+/// Restrictions on a lookup.
+#[derive(Clone, Debug, Default)]
+pub struct MatchOptions {
+    /// Only these workers (any dp rank) are considered; `None` means all.
+    pub workers: Option<Vec<u64>>,
+    /// Only the first `max_blocks` blocks of the request are matched.
+    pub max_blocks: Option<usize>,
+}
+
+/// One worker's answer: the length of the longest contiguous prefix of the request it holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct WorkerMatch {
+    pub worker: WorkerId,
+    pub blocks: u32,
+}
+
+/// Size of an index, for metrics and benchmarks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct IndexStats {
+    /// (worker, block) placements.
+    pub placements: u64,
+    /// Distinct (position, prefix) entries (positional) or tree nodes (radix).
+    pub entries: u64,
+    /// Workers holding a slot.
+    pub workers: u64,
+}
+
+/// Errors of the index itself (not of the input).
+#[derive(Debug, thiserror::Error)]
+pub enum IndexError {
+    #[error(transparent)]
+    Registry(#[from] RegistryError),
+}
+
+/// A KV-block index backend.
+pub trait KvIndex: Send + Sync + 'static {
+    /// A worker's private write state (its reverse map); owned by one thread at a time.
+    type Writer: Send + 'static;
+
+    /// Backend name, as benchmarks and config spell it.
+    fn name(&self) -> &'static str;
+
+    /// The worker registry the backend interns slots in.
+    fn registry(&self) -> &WorkerRegistry;
+
+    /// Creates the write state of `worker`, giving it a slot.
+    fn writer(&self, worker: WorkerId) -> Result<Self::Writer, IndexError>;
+
+    /// Stores a chain of blocks under `parent` (`None`: the chain starts at position 0).
+    fn store(&self, w: &mut Self::Writer, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome;
+
+    /// Removes blocks by engine hash.
+    fn remove(&self, w: &mut Self::Writer, hashes: &[BlockHash]) -> ApplyOutcome;
+
+    /// Drops every block of the worker; it keeps its slot.
+    fn clear(&self, w: &mut Self::Writer) -> ApplyOutcome;
+
+    /// Drops every block of the worker and frees its slot.
+    fn remove_worker(&self, mut w: Self::Writer) -> ApplyOutcome {
+        let out = self.clear(&mut w);
+        self.registry().release(Self::worker_id(&w));
+        out
+    }
+
+    /// The worker a writer belongs to.
+    fn worker_id(w: &Self::Writer) -> WorkerId;
+
+    /// Workers holding at least the first block of `query`, with their contiguous match
+    /// depth, deepest first (ties by worker id).
+    fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch>;
+
+    /// Current size.
+    fn stats(&self) -> IndexStats;
+}
+
+/// The slots a lookup may consider: every interned slot, or those of the filter's workers.
+pub(crate) fn candidate_slots(registry: &WorkerRegistry, opts: &MatchOptions, out: &mut SlotBits) {
+    let width = registry.high_water();
+    out.fill(width);
+    if let Some(filter) = &opts.workers {
+        registry.with_ids(|ids| {
+            for (slot, id) in ids.iter().enumerate() {
+                if !id.is_some_and(|id| filter.contains(&id.worker_id)) {
+                    out.remove(slot as Slot);
+                }
+            }
+        });
+    }
+}
+
+/// Turns `(slot, depth)` pairs into sorted worker matches.
+pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)]) -> Vec<WorkerMatch> {
+    let mut out: Vec<WorkerMatch> = registry.with_ids(|ids| {
+        depths
+            .iter()
+            .filter_map(|&(s, d)| ids.get(s as usize).copied().flatten().map(|worker| WorkerMatch { worker, blocks: d }))
+            .collect()
+    });
+    out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+    out
+}
+
+/// Which backend to build; chosen by config or on the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    Positional,
+    Radix,
+    Reference,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Positional => "positional",
+            Backend::Radix => "radix",
+            Backend::Reference => "reference",
+        }
+    }
+}

@@ -1,0 +1,139 @@
+//! The reference model: the simplest obviously-correct index, for tests to compare against.
+//! Each worker is a map block hash -> (position, prefix); a lookup checks every position of
+//! every worker. Slow on purpose; never used to serve.
+
+use super::{ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use crate::hash::{prefix_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
+use crate::workers::WorkerRegistry;
+use parking_lot::Mutex;
+use std::collections::{HashMap, HashSet};
+
+/// A worker's blocks: engine hash -> (position, prefix).
+type Held = HashMap<u64, (u32, PrefixHash)>;
+
+/// The reference backend.
+pub struct ReferenceIndex {
+    registry: WorkerRegistry,
+    max_depth: u32,
+    workers: Mutex<HashMap<WorkerId, Held>>,
+}
+
+/// The reference writer only names its worker; the blocks live in the shared map.
+pub struct ReferenceWriter(WorkerId);
+
+impl ReferenceIndex {
+    pub fn new(max_depth: u32, max_workers: u32) -> Self {
+        ReferenceIndex { registry: WorkerRegistry::new(max_workers), max_depth, workers: Mutex::new(HashMap::new()) }
+    }
+}
+
+impl KvIndex for ReferenceIndex {
+    type Writer = ReferenceWriter;
+
+    fn name(&self) -> &'static str {
+        "reference"
+    }
+
+    fn registry(&self) -> &WorkerRegistry {
+        &self.registry
+    }
+
+    fn writer(&self, worker: WorkerId) -> Result<ReferenceWriter, IndexError> {
+        self.registry.intern(worker)?;
+        self.workers.lock().entry(worker).or_default();
+        Ok(ReferenceWriter(worker))
+    }
+
+    fn worker_id(w: &ReferenceWriter) -> WorkerId {
+        w.0
+    }
+
+    fn store(&self, w: &mut ReferenceWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let mut all = self.workers.lock();
+        let held = all.entry(w.0).or_default();
+        let (mut pos, mut prev) = match parent {
+            None => (0, None),
+            Some(h) => match held.get(&h.0) {
+                Some(&(p, prefix)) => (p + 1, Some(prefix)),
+                None => {
+                    out.unplaceable = blocks.len() as u64;
+                    return out;
+                }
+            },
+        };
+        for (i, b) in blocks.iter().enumerate() {
+            if pos >= self.max_depth {
+                out.too_deep += (blocks.len() - i) as u64;
+                break;
+            }
+            let prefix = PrefixHash::child_of(prev, b.tokens_hash);
+            match held.insert(b.block_hash.0, (pos, prefix)) {
+                Some(old) if old == (pos, prefix) => out.duplicates += 1,
+                Some(_) => {
+                    out.replaced += 1;
+                    out.stored += 1;
+                }
+                None => out.stored += 1,
+            }
+            prev = Some(prefix);
+            pos += 1;
+        }
+        out
+    }
+
+    fn remove(&self, w: &mut ReferenceWriter, hashes: &[BlockHash]) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let mut all = self.workers.lock();
+        let held = all.entry(w.0).or_default();
+        for h in hashes {
+            match held.remove(&h.0) {
+                Some(_) => out.removed += 1,
+                None => out.unknown_removes += 1,
+            }
+        }
+        out
+    }
+
+    fn clear(&self, w: &mut ReferenceWriter) -> ApplyOutcome {
+        let mut all = self.workers.lock();
+        let held = all.entry(w.0).or_default();
+        let removed = held.len() as u64;
+        held.clear();
+        ApplyOutcome { removed, ..Default::default() }
+    }
+
+    fn remove_worker(&self, mut w: ReferenceWriter) -> ApplyOutcome {
+        let out = self.clear(&mut w);
+        self.workers.lock().remove(&w.0);
+        self.registry.release(w.0);
+        out
+    }
+
+    fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        let mut chain = Vec::new();
+        prefix_chain(&query[..n], &mut chain);
+        let all = self.workers.lock();
+        let mut out = Vec::new();
+        for (id, held) in all.iter() {
+            if opts.workers.as_ref().is_some_and(|f| !f.contains(&id.worker_id)) {
+                continue;
+            }
+            let places: HashSet<(u32, PrefixHash)> = held.values().copied().collect();
+            let depth = chain.iter().enumerate().take_while(|&(i, p)| places.contains(&(i as u32, *p))).count();
+            if depth > 0 {
+                out.push(WorkerMatch { worker: *id, blocks: depth as u32 });
+            }
+        }
+        out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+        out
+    }
+
+    fn stats(&self) -> IndexStats {
+        let all = self.workers.lock();
+        let placements = all.values().map(|h| h.len() as u64).sum();
+        let entries = all.values().flat_map(|h| h.values()).collect::<HashSet<_>>().len() as u64;
+        IndexStats { placements, entries, workers: self.registry.len() as u64 }
+    }
+}

@@ -1,0 +1,267 @@
+//! Mooncake traces and the mock engine (`../shared/STREAM.md`) that turns a trace into the
+//! event and lookup stream of a fleet of workers with bounded LRU prefix caches.
+
+use crate::hash::HASH_SEED;
+use crate::stream::StreamOp;
+use anyhow::{Context, Result};
+use rustc_hash::FxHashMap;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::io::BufRead;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// One request of a Mooncake trace.
+#[derive(Clone, Debug, Deserialize, PartialEq, Eq)]
+pub struct TraceRequest {
+    /// Arrival time, ms from the start of the trace.
+    pub timestamp: u64,
+    #[serde(default)]
+    pub input_length: u64,
+    #[serde(default)]
+    pub output_length: u64,
+    /// One id per 512-token block; equal ids mean a shared prefix.
+    pub hash_ids: Vec<u64>,
+}
+
+/// Reads a Mooncake trace (JSONL); a bad line is an error naming its line number.
+pub fn read_trace(r: impl BufRead) -> Result<Vec<TraceRequest>> {
+    let mut out = Vec::new();
+    for (n, line) in r.lines().enumerate() {
+        let line = line.with_context(|| format!("reading trace line {}", n + 1))?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        out.push(serde_json::from_str(&line).with_context(|| format!("trace line {}", n + 1))?);
+    }
+    Ok(out)
+}
+
+/// Reads a trace file.
+pub fn read_trace_file(path: &std::path::Path) -> Result<Vec<TraceRequest>> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening trace {}", path.display()))?;
+    read_trace(std::io::BufReader::new(f))
+}
+
+/// The mock engine's settings. The defaults are the reference configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MockConfig {
+    /// Workers W.
+    pub workers: u64,
+    /// LRU capacity C of each worker, in blocks.
+    pub capacity: usize,
+    /// Length factor F: each trace block becomes F blocks.
+    pub factor: u64,
+    /// SplitMix64 seed of the worker choice.
+    pub seed: u64,
+}
+
+impl Default for MockConfig {
+    fn default() -> Self {
+        MockConfig { workers: 16, capacity: 16384, factor: 16, seed: 42 }
+    }
+}
+
+/// A stream op with the arrival time of the request that caused it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TimedOp {
+    pub ts_ms: u64,
+    pub op: StreamOp,
+}
+
+/// SplitMix64, the worker-choice generator.
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` by the multiply-shift rule.
+    pub fn below(&mut self, n: u64) -> u64 {
+        ((self.next_u64() as u128 * n as u128) >> 64) as u64
+    }
+}
+
+/// Local hash of mock block id `b`: XXH3-64 (seed 1337) of its 8 little-endian bytes.
+pub fn mock_local_hash(b: u64) -> u64 {
+    xxh3_64_with_seed(&b.to_le_bytes(), HASH_SEED)
+}
+
+/// Engine hash of a block after `prev`: XXH3-64 (seed 1337) of `prev` LE ++ `local` LE.
+pub fn mock_block_hash(prev: u64, local: u64) -> u64 {
+    let mut buf = [0u8; 16];
+    buf[..8].copy_from_slice(&prev.to_le_bytes());
+    buf[8..].copy_from_slice(&local.to_le_bytes());
+    xxh3_64_with_seed(&buf, HASH_SEED)
+}
+
+/// One worker's LRU prefix cache, keyed by engine block hash.
+#[derive(Default)]
+struct LruCache {
+    stamp_of: FxHashMap<u64, u64>,
+    by_stamp: BTreeMap<u64, u64>,
+}
+
+impl LruCache {
+    fn touch(&mut self, block: u64, stamp: u64) {
+        if let Some(old) = self.stamp_of.insert(block, stamp) {
+            self.by_stamp.remove(&old);
+        }
+        self.by_stamp.insert(stamp, block);
+    }
+}
+
+/// Turns trace requests into events and lookups, worker by worker, as the rules of
+/// `STREAM.md` say; the same configuration always gives the same stream.
+pub struct MockEngine {
+    cfg: MockConfig,
+    rng: SplitMix64,
+    caches: Vec<LruCache>,
+    event_ids: Vec<u64>,
+    clock: u64,
+}
+
+impl MockEngine {
+    pub fn new(cfg: MockConfig) -> Self {
+        MockEngine {
+            cfg,
+            rng: SplitMix64::new(cfg.seed),
+            caches: (0..cfg.workers).map(|_| LruCache::default()).collect(),
+            event_ids: vec![0; cfg.workers as usize],
+            clock: 0,
+        }
+    }
+
+    /// Blocks cached by all workers now.
+    pub fn cached_blocks(&self) -> usize {
+        self.caches.iter().map(|c| c.stamp_of.len()).sum()
+    }
+
+    fn next_event_id(&mut self, worker: u64) -> u64 {
+        let id = self.event_ids[worker as usize];
+        self.event_ids[worker as usize] += 1;
+        id
+    }
+
+    /// The ops of one request, appended to `out`.
+    pub fn request(&mut self, req: &TraceRequest, out: &mut Vec<TimedOp>) {
+        let f = self.cfg.factor;
+        let locals: Vec<u64> = req.hash_ids.iter().flat_map(|&h| (h * f..h * f + f).map(mock_local_hash)).collect();
+        let mut engine = Vec::with_capacity(locals.len());
+        for (i, &l) in locals.iter().enumerate() {
+            engine.push(if i == 0 { l } else { mock_block_hash(engine[i - 1], l) });
+        }
+        let worker = self.rng.below(self.cfg.workers);
+        let ts_ms = req.timestamp;
+        out.push(TimedOp { ts_ms, op: StreamOp::Lookup { local: locals.clone() } });
+
+        let cache = &self.caches[worker as usize];
+        let hit = engine.iter().take_while(|b| cache.stamp_of.contains_key(b)).count();
+        let new = locals.len() - hit;
+        let room = self.cfg.capacity.saturating_sub(cache.stamp_of.len());
+        if new > room {
+            // Evict least recently used blocks that this request does not use.
+            let need = new - room;
+            let used: rustc_hash::FxHashSet<u64> = engine[..hit].iter().copied().collect();
+            let victims: Vec<u64> = cache.by_stamp.values().filter(|b| !used.contains(b)).take(need).copied().collect();
+            let cache = &mut self.caches[worker as usize];
+            for v in &victims {
+                if let Some(s) = cache.stamp_of.remove(v) {
+                    cache.by_stamp.remove(&s);
+                }
+            }
+            if !victims.is_empty() {
+                let event_id = self.next_event_id(worker);
+                out.push(TimedOp { ts_ms, op: StreamOp::Removed { worker, event_id, seq: victims } });
+            }
+        }
+        // Stamp tail-first, as engines free blocks, so parents always outlive children.
+        let cache = &mut self.caches[worker as usize];
+        for &b in engine.iter().rev() {
+            self.clock += 1;
+            cache.touch(b, self.clock);
+        }
+        if new > 0 {
+            let parent = if hit == 0 { None } else { Some(engine[hit - 1]) };
+            let blocks = (hit..locals.len()).map(|i| (locals[i], engine[i])).collect();
+            let event_id = self.next_event_id(worker);
+            out.push(TimedOp { ts_ms, op: StreamOp::Stored { worker, event_id, parent, blocks } });
+        }
+    }
+
+    /// The whole stream of a trace.
+    pub fn run(cfg: MockConfig, trace: &[TraceRequest]) -> Vec<TimedOp> {
+        let mut engine = MockEngine::new(cfg);
+        let mut out = Vec::new();
+        for r in trace {
+            engine.request(r, &mut out);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn splitmix_matches_reference_vectors() {
+        // First outputs of SplitMix64 seeded with 0 (the published reference sequence).
+        let mut r = SplitMix64::new(0);
+        assert_eq!(r.next_u64(), 0xE220_A839_7B1D_CDAF);
+        assert_eq!(r.next_u64(), 0x6E78_9E6A_A1B9_65F4);
+    }
+
+    #[test]
+    fn mock_hashes_match_an_independent_xxh3() {
+        // python-xxhash: xxh3_64_intdigest(struct.pack('<Q', 0), seed=1337)
+        assert_eq!(mock_local_hash(0), 0x60a8_85a6_b03b_1f0a);
+    }
+
+    #[test]
+    fn lru_keeps_caches_prefix_closed_and_bounded() {
+        let trace: Vec<TraceRequest> = (0..200u64)
+            .map(|i| TraceRequest { timestamp: i, input_length: 0, output_length: 0, hash_ids: vec![0, 1 + i % 7, 100 + i] })
+            .collect();
+        let cfg = MockConfig { workers: 3, capacity: 20, factor: 2, seed: 7 };
+        let mut engine = MockEngine::new(cfg);
+        let mut ops = Vec::new();
+        let mut held: Vec<FxHashMap<u64, Option<u64>>> = vec![FxHashMap::default(); 3];
+        for r in &trace {
+            let start = ops.len();
+            engine.request(r, &mut ops);
+            for op in &ops[start..] {
+                match &op.op {
+                    StreamOp::Removed { worker, seq, .. } => {
+                        for b in seq {
+                            assert!(held[*worker as usize].remove(b).is_some());
+                        }
+                    }
+                    StreamOp::Stored { worker, parent, blocks, .. } => {
+                        let mut p = *parent;
+                        for &(_, b) in blocks {
+                            held[*worker as usize].insert(b, p);
+                            p = Some(b);
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            for h in &held {
+                assert!(h.len() <= 20);
+                for p in h.values().flatten() {
+                    assert!(h.contains_key(p), "a cached block's parent was evicted first");
+                }
+            }
+        }
+        assert_eq!(engine.cached_blocks(), held.iter().map(|h| h.len()).sum::<usize>());
+    }
+}

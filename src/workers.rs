@@ -1,0 +1,469 @@
+//! Worker interning and worker sets (DESIGN §2): each `(worker_id, dp_rank)` gets a dense
+//! slot, reused after the worker is removed, so that index entries hold workers as bits.
+
+use crate::hash::WorkerId;
+use parking_lot::{Mutex, RwLock};
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A worker's dense slot number.
+pub type Slot = u32;
+
+/// Interns worker identities to dense slots and maps slots back for lookup answers.
+pub struct WorkerRegistry {
+    capacity: u32,
+    inner: Mutex<RegistryInner>,
+    ids: RwLock<Vec<Option<WorkerId>>>,
+    /// Slots whose cache is not prefix-closed (see the positional index).
+    holey: Box<[AtomicU64]>,
+}
+
+#[derive(Default)]
+struct RegistryInner {
+    by_id: FxHashMap<WorkerId, Slot>,
+    free: Vec<Slot>,
+    next: Slot,
+}
+
+/// Why a worker could not be given a slot.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    #[error("worker registry is full ({0} slots)")]
+    Full(u32),
+}
+
+impl WorkerRegistry {
+    /// A registry for at most `capacity` workers at once.
+    pub fn new(capacity: u32) -> Self {
+        let words = capacity.div_ceil(64) as usize;
+        WorkerRegistry {
+            capacity,
+            inner: Mutex::new(RegistryInner::default()),
+            ids: RwLock::new(Vec::new()),
+            holey: (0..words).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// The slot of `id`, assigning the lowest free one if it has none.
+    pub fn intern(&self, id: WorkerId) -> Result<Slot, RegistryError> {
+        let mut inner = self.inner.lock();
+        if let Some(&s) = inner.by_id.get(&id) {
+            return Ok(s);
+        }
+        let slot = match inner.free.pop() {
+            Some(s) => s,
+            None if inner.next < self.capacity => {
+                inner.next += 1;
+                inner.next - 1
+            }
+            None => return Err(RegistryError::Full(self.capacity)),
+        };
+        inner.by_id.insert(id, slot);
+        let mut ids = self.ids.write();
+        if ids.len() <= slot as usize {
+            ids.resize(slot as usize + 1, None);
+        }
+        ids[slot as usize] = Some(id);
+        Ok(slot)
+    }
+
+    /// Frees the slot of `id` for reuse. The caller has already removed its blocks.
+    pub fn release(&self, id: WorkerId) {
+        let mut inner = self.inner.lock();
+        if let Some(slot) = inner.by_id.remove(&id) {
+            self.ids.write()[slot as usize] = None;
+            self.set_holey(slot, false);
+            inner.free.push(slot);
+            // Lowest slots first keeps worker sets inside the first inline window.
+            inner.free.sort_unstable_by(|a, b| b.cmp(a));
+        }
+    }
+
+    /// The slot of `id`, if it has one.
+    pub fn slot(&self, id: WorkerId) -> Option<Slot> {
+        self.inner.lock().by_id.get(&id).copied()
+    }
+
+    /// Number of workers holding a slot.
+    pub fn len(&self) -> usize {
+        self.inner.lock().by_id.len()
+    }
+
+    /// True when no worker holds a slot.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// One past the highest slot ever assigned: the width of a dense slot bitset.
+    pub fn high_water(&self) -> u32 {
+        self.ids.read().len() as u32
+    }
+
+    /// Calls `f` with the slot-to-worker table (read-locked once per lookup).
+    pub fn with_ids<R>(&self, f: impl FnOnce(&[Option<WorkerId>]) -> R) -> R {
+        f(&self.ids.read())
+    }
+
+    pub(crate) fn set_holey(&self, slot: Slot, on: bool) {
+        let (w, b) = ((slot / 64) as usize, slot % 64);
+        if on {
+            self.holey[w].fetch_or(1 << b, Ordering::Relaxed);
+        } else {
+            self.holey[w].fetch_and(!(1 << b), Ordering::Relaxed);
+        }
+    }
+
+    /// True if any slot in `set` is holey.
+    pub(crate) fn any_holey(&self, set: &SlotBits) -> bool {
+        set.words
+            .iter()
+            .enumerate()
+            .any(|(i, &w)| w != 0 && self.holey.get(i).is_some_and(|h| h.load(Ordering::Relaxed) & w != 0))
+    }
+}
+
+/// Slots per inline window of a [`WorkerSet`].
+const WINDOW_BITS: u32 = 56;
+const MEMBER_MASK: u64 = (1 << WINDOW_BITS) - 1;
+const SPILLED_WINDOW: u64 = 255;
+
+/// A set of worker slots in 8 bytes: up to 56 slots of one aligned window inline (the top
+/// byte names the window); a set spanning windows is marked spilled and its members live in
+/// a [`SlotBits`] kept by the owner of the set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerSet(u64);
+
+/// What inserting into a [`WorkerSet`] did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum SetInsert {
+    Added,
+    AlreadyPresent,
+    /// The set must spill: the owner moves `self.members()` plus the slot into a [`SlotBits`].
+    NeedsSpill,
+}
+
+impl WorkerSet {
+    pub const EMPTY: WorkerSet = WorkerSet(0);
+    pub const SPILLED: WorkerSet = WorkerSet(SPILLED_WINDOW << WINDOW_BITS);
+
+    #[inline]
+    pub fn is_empty(self) -> bool {
+        self.0 == 0
+    }
+
+    #[inline]
+    pub fn is_spilled(self) -> bool {
+        self.0 >> WINDOW_BITS == SPILLED_WINDOW
+    }
+
+    #[inline]
+    fn window(self) -> u64 {
+        self.0 >> WINDOW_BITS
+    }
+
+    #[inline]
+    fn locate(slot: Slot) -> (u64, u64) {
+        ((slot / WINDOW_BITS) as u64, 1u64 << (slot % WINDOW_BITS))
+    }
+
+    /// Inline membership test; not valid on a spilled set.
+    #[inline]
+    pub fn contains_inline(self, slot: Slot) -> bool {
+        let (w, bit) = Self::locate(slot);
+        !self.is_empty() && self.window() == w && self.0 & bit != 0
+    }
+
+    /// Adds `slot` inline when it fits.
+    #[inline]
+    pub fn insert(&mut self, slot: Slot) -> SetInsert {
+        debug_assert!(!self.is_spilled());
+        let (w, bit) = Self::locate(slot);
+        if w >= SPILLED_WINDOW {
+            return SetInsert::NeedsSpill;
+        }
+        if self.is_empty() {
+            self.0 = (w << WINDOW_BITS) | bit;
+            SetInsert::Added
+        } else if self.window() != w {
+            SetInsert::NeedsSpill
+        } else if self.0 & bit != 0 {
+            SetInsert::AlreadyPresent
+        } else {
+            self.0 |= bit;
+            SetInsert::Added
+        }
+    }
+
+    /// Removes `slot` from an inline set; returns whether it was there.
+    #[inline]
+    pub fn remove(&mut self, slot: Slot) -> bool {
+        debug_assert!(!self.is_spilled());
+        if !self.contains_inline(slot) {
+            return false;
+        }
+        let (_, bit) = Self::locate(slot);
+        self.0 &= !bit;
+        if self.0 & MEMBER_MASK == 0 {
+            self.0 = 0;
+        }
+        true
+    }
+
+    /// Writes the inline members into `out` (cleared first).
+    pub fn to_bits(self, out: &mut SlotBits) {
+        out.clear();
+        let base = self.window() as u32 * WINDOW_BITS;
+        let mut m = self.0 & MEMBER_MASK;
+        while m != 0 {
+            out.insert(base + m.trailing_zeros());
+            m &= m - 1;
+        }
+    }
+
+    /// Intersects `alive` with this inline set in place.
+    #[inline]
+    pub fn and_into(self, alive: &mut SlotBits) {
+        debug_assert!(!self.is_spilled());
+        if self.is_empty() {
+            alive.clear();
+            return;
+        }
+        // The 56-slot window covers at most two 64-bit words of the dense set.
+        let start = self.window() as u32 * WINDOW_BITS;
+        let (w0, off) = ((start / 64) as usize, start % 64);
+        let m = self.0 & MEMBER_MASK;
+        let lo = m << off;
+        let hi = if off == 0 { 0 } else { m >> (64 - off) };
+        for (i, word) in alive.words.iter_mut().enumerate() {
+            if i == w0 {
+                *word &= lo;
+            } else if i == w0 + 1 {
+                *word &= hi;
+            } else {
+                *word = 0;
+            }
+        }
+    }
+
+    /// Tries to fold a spilled set back inline; `None` if it still spans windows.
+    pub fn from_bits(bits: &SlotBits) -> Option<WorkerSet> {
+        let mut s = WorkerSet::EMPTY;
+        for slot in bits.iter() {
+            if s.insert(slot) == SetInsert::NeedsSpill {
+                return None;
+            }
+        }
+        Some(s)
+    }
+}
+
+/// Members of [`WorkerSet`]s that spilled, kept by the owner of the sets under its own key.
+pub type Spill<K> = rustc_hash::FxHashMap<K, SlotBits>;
+
+impl WorkerSet {
+    /// Adds `slot`, spilling into `spill[key]` when the set outgrows its window; returns
+    /// whether the slot was new.
+    pub fn insert_spilling<K: std::hash::Hash + Eq>(&mut self, slot: Slot, key: K, spill: &mut Spill<K>) -> bool {
+        if self.is_spilled() {
+            let bits = spill.entry(key).or_default();
+            let had = bits.contains(slot);
+            bits.insert(slot);
+            return !had;
+        }
+        match self.insert(slot) {
+            SetInsert::Added => true,
+            SetInsert::AlreadyPresent => false,
+            SetInsert::NeedsSpill => {
+                let mut bits = SlotBits::default();
+                self.to_bits(&mut bits);
+                bits.insert(slot);
+                spill.insert(key, bits);
+                *self = WorkerSet::SPILLED;
+                true
+            }
+        }
+    }
+
+    /// Removes `slot`, folding a spilled set back inline when it fits again.
+    pub fn remove_spilling<K: std::hash::Hash + Eq>(&mut self, slot: Slot, key: K, spill: &mut Spill<K>) {
+        if !self.is_spilled() {
+            self.remove(slot);
+            return;
+        }
+        let Some(bits) = spill.get_mut(&key) else {
+            *self = WorkerSet::EMPTY;
+            return;
+        };
+        bits.remove(slot);
+        if let Some(inline) = WorkerSet::from_bits(bits) {
+            *self = inline;
+            spill.remove(&key);
+        }
+    }
+
+    /// `alive &= self`, reading spilled members from `spill[key]`.
+    #[inline]
+    pub fn and_into_spilling<K: std::hash::Hash + Eq>(self, key: K, spill: &Spill<K>, alive: &mut SlotBits) {
+        if !self.is_spilled() {
+            self.and_into(alive);
+            return;
+        }
+        match spill.get(&key) {
+            Some(bits) => alive.and_with(bits),
+            None => alive.clear(),
+        }
+    }
+}
+
+/// A dense bitset over worker slots: spilled sets and the running sets of a lookup.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SlotBits {
+    words: Vec<u64>,
+}
+
+impl SlotBits {
+    pub fn with_width(slots: u32) -> Self {
+        SlotBits { words: vec![0; slots.div_ceil(64) as usize] }
+    }
+
+    /// Resizes to cover `slots` slots and fills every one.
+    pub fn fill(&mut self, slots: u32) {
+        self.words.clear();
+        self.words.resize(slots.div_ceil(64) as usize, u64::MAX);
+        if slots % 64 != 0 {
+            if let Some(last) = self.words.last_mut() {
+                *last = (1u64 << (slots % 64)) - 1;
+            }
+        }
+    }
+
+    pub fn clear(&mut self) {
+        self.words.iter_mut().for_each(|w| *w = 0);
+    }
+
+    pub fn insert(&mut self, slot: Slot) {
+        let w = (slot / 64) as usize;
+        if self.words.len() <= w {
+            self.words.resize(w + 1, 0);
+        }
+        self.words[w] |= 1 << (slot % 64);
+    }
+
+    pub fn remove(&mut self, slot: Slot) -> bool {
+        let w = (slot / 64) as usize;
+        match self.words.get_mut(w) {
+            Some(word) if *word & (1 << (slot % 64)) != 0 => {
+                *word &= !(1 << (slot % 64));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    pub fn contains(&self, slot: Slot) -> bool {
+        self.words.get((slot / 64) as usize).is_some_and(|w| w & (1 << (slot % 64)) != 0)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.words.iter().all(|&w| w == 0)
+    }
+
+    pub fn len(&self) -> usize {
+        self.words.iter().map(|w| w.count_ones() as usize).sum()
+    }
+
+    /// `self &= other`.
+    pub fn and_with(&mut self, other: &SlotBits) {
+        for (i, w) in self.words.iter_mut().enumerate() {
+            *w &= other.words.get(i).copied().unwrap_or(0);
+        }
+    }
+
+    /// `self &= !other`.
+    pub fn and_not(&mut self, other: &SlotBits) {
+        for (w, o) in self.words.iter_mut().zip(&other.words) {
+            *w &= !o;
+        }
+    }
+
+    /// Copies `other` into `self`, reusing the allocation.
+    pub fn copy_from(&mut self, other: &SlotBits) {
+        self.words.clear();
+        self.words.extend_from_slice(&other.words);
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = Slot> + '_ {
+        self.words.iter().enumerate().flat_map(|(i, &w)| {
+            let mut m = w;
+            std::iter::from_fn(move || {
+                if m == 0 {
+                    return None;
+                }
+                let b = m.trailing_zeros();
+                m &= m - 1;
+                Some(i as u32 * 64 + b)
+            })
+        })
+    }
+
+    /// Heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        self.words.capacity() * 8
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interning_reuses_released_slots() {
+        let r = WorkerRegistry::new(4);
+        let a = r.intern(WorkerId::new(10, 0)).unwrap();
+        let b = r.intern(WorkerId::new(10, 1)).unwrap();
+        assert_eq!((a, b), (0, 1));
+        assert_eq!(r.intern(WorkerId::new(10, 0)).unwrap(), 0);
+        r.release(WorkerId::new(10, 0));
+        assert_eq!(r.slot(WorkerId::new(10, 0)), None);
+        assert_eq!(r.intern(WorkerId::new(99, 0)).unwrap(), 0);
+        r.intern(WorkerId::new(1, 0)).unwrap();
+        r.intern(WorkerId::new(2, 0)).unwrap();
+        assert_eq!(r.intern(WorkerId::new(3, 0)), Err(RegistryError::Full(4)));
+    }
+
+    #[test]
+    fn inline_set_spills_across_windows() {
+        let mut s = WorkerSet::EMPTY;
+        assert_eq!(s.insert(3), SetInsert::Added);
+        assert_eq!(s.insert(3), SetInsert::AlreadyPresent);
+        assert_eq!(s.insert(55), SetInsert::Added);
+        assert_eq!(s.insert(56), SetInsert::NeedsSpill);
+        assert!(s.remove(3));
+        assert!(!s.remove(3));
+        assert!(s.remove(55));
+        assert!(s.is_empty());
+        // A lone high slot sits inline in its own window.
+        assert_eq!(s.insert(1000), SetInsert::Added);
+        assert!(s.contains_inline(1000));
+        assert!(!s.contains_inline(1000 - 56));
+        assert_eq!(s.insert(255 * 56), SetInsert::NeedsSpill);
+    }
+
+    #[test]
+    fn inline_and_matches_dense_and() {
+        for slots in [[1u32, 2, 40], [60, 70, 111], [112, 130, 167]] {
+            let mut s = WorkerSet::EMPTY;
+            for &x in &slots {
+                assert_eq!(s.insert(x), SetInsert::Added);
+            }
+            let mut alive = SlotBits::default();
+            alive.fill(256);
+            s.and_into(&mut alive);
+            assert_eq!(alive.iter().collect::<Vec<_>>(), slots.to_vec());
+            let mut dense = SlotBits::default();
+            s.to_bits(&mut dense);
+            assert_eq!(dense.iter().collect::<Vec<_>>(), slots.to_vec());
+            assert_eq!(WorkerSet::from_bits(&dense), Some(s));
+        }
+    }
+}

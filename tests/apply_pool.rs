@@ -1,0 +1,160 @@
+//! The apply pool: per-worker order, backpressure, flush, worker removal, and lookups running
+//! while several threads write.
+
+use kvindex::apply::{ApplyPool, OnApplied, WorkerEvent};
+use kvindex::bench::{Op, Workload};
+use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex::index::radix::RadixIndex;
+use kvindex::index::reference::ReferenceIndex;
+use kvindex::index::{KvIndex, MatchOptions};
+use kvindex::trace::{read_trace_file, MockConfig, MockEngine};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
+
+fn workload() -> Workload {
+    let trace = read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).unwrap();
+    Workload::from_timed(MockEngine::run(MockConfig { workers: 24, capacity: 1500, factor: 4, seed: 3 }, &trace[..3000]))
+}
+
+/// The end state, built one event at a time on one thread.
+fn sequential_reference(wl: &Workload) -> ReferenceIndex {
+    let index = ReferenceIndex::new(1 << 16, 1 << 10);
+    let mut writers = HashMap::new();
+    for op in &wl.ops {
+        if let Op::Event(w, ev) = op {
+            let wr = writers.entry(*w).or_insert_with(|| index.writer(*w).unwrap());
+            match ev {
+                WorkerEvent::Stored { parent, blocks } => index.store(wr, *parent, blocks),
+                WorkerEvent::Removed { hashes } => index.remove(wr, hashes),
+                WorkerEvent::Cleared => index.clear(wr),
+            };
+        }
+    }
+    index
+}
+
+/// Two feeders (each owning half the workers, so each worker's events stay in order) and
+/// two readers race; after a flush every lookup must equal the sequential reference.
+fn writers_and_readers_at_once<I: KvIndex>(index: I) {
+    let wl = workload();
+    let reference = sequential_reference(&wl);
+    let index = Arc::new(index);
+    let pool = ApplyPool::new(index.clone(), 4, 8, None);
+    let queries: Vec<&[LocalHash]> =
+        wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(&q[..]) } else { None }).collect();
+    let done = AtomicBool::new(false);
+    let lookups = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        for half in 0..2u64 {
+            let (pool, wl) = (&pool, &wl);
+            s.spawn(move || {
+                for op in &wl.ops {
+                    if let Op::Event(w, ev) = op {
+                        if w.worker_id % 2 == half {
+                            pool.apply(*w, vec![ev.clone()], 0);
+                        }
+                    }
+                }
+            });
+        }
+        for r in 0..2 {
+            let (index, queries, done, lookups) = (&index, &queries, &done, &lookups);
+            s.spawn(move || {
+                let mut i = r * 101;
+                while !done.load(Ordering::Relaxed) {
+                    let q = queries[i % queries.len()];
+                    let answer = index.find_matches(q, &MatchOptions::default());
+                    assert!(answer.windows(2).all(|p| p[0].blocks >= p[1].blocks), "sorted deepest first");
+                    assert!(answer.iter().all(|m| m.blocks >= 1 && m.blocks as usize <= q.len() && m.worker.worker_id < 24));
+                    lookups.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                }
+            });
+        }
+        // Let the feeders finish, then stop the readers.
+        s.spawn(|| {
+            while pool.totals().stored + pool.totals().removed < wl.stored_blocks + wl.removed_blocks {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            done.store(true, Ordering::Relaxed);
+        });
+    });
+    pool.flush();
+    assert!(lookups.load(Ordering::Relaxed) > 0);
+    let totals = pool.totals();
+    assert_eq!((totals.stored, totals.removed), (wl.stored_blocks, wl.removed_blocks));
+    assert_eq!(totals.unplaceable + totals.unknown_removes, 0);
+    assert_eq!(index.stats().placements, reference.stats().placements);
+    for q in &queries {
+        assert_eq!(index.find_matches(q, &MatchOptions::default()), reference.find_matches(q, &MatchOptions::default()));
+    }
+}
+
+#[test]
+fn positional_concurrent_writes_and_reads() {
+    writers_and_readers_at_once(PositionalIndex::new(PositionalConfig::default()));
+}
+
+#[test]
+fn radix_concurrent_writes_and_reads() {
+    writers_and_readers_at_once(RadixIndex::new(1 << 16, 1 << 16));
+}
+
+#[test]
+fn full_queue_pushes_back_and_loses_nothing() {
+    let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
+    // The hook blocks the apply thread until released, so its queue (2 batches) fills up.
+    let (release_tx, release_rx) = mpsc::channel::<()>();
+    let (entered_tx, entered_rx) = mpsc::channel::<()>();
+    let (release_rx, entered_tx) = (Mutex::new(release_rx), Mutex::new(entered_tx));
+    let hook: OnApplied = Arc::new(move |_, _, tag| {
+        if tag == 1 {
+            let _ = entered_tx.lock().unwrap().send(());
+            let _ = release_rx.lock().unwrap().recv();
+        }
+    });
+    let pool = ApplyPool::new(index.clone(), 1, 2, Some(hook));
+    let w = WorkerId::new(1, 0);
+    let batch = |i: u64| {
+        vec![WorkerEvent::Stored { parent: (i > 0).then(|| BlockHash(i - 1)), blocks: vec![StoredBlock::new(i, 100 + i)] }]
+    };
+    pool.apply(w, batch(0), 1);
+    entered_rx.recv().unwrap();
+    pool.apply(w, batch(1), 0);
+    pool.apply(w, batch(2), 0);
+    let back = pool.try_apply(w, batch(3), 0).expect_err("queue is full");
+    assert_eq!(back.worker, w);
+    assert_eq!(back.events, batch(3));
+    release_tx.send(()).unwrap();
+    pool.apply(w, back.events, 0);
+    pool.flush();
+    assert_eq!(pool.totals().stored, 4);
+    let q: Vec<LocalHash> = (0..4).map(|i| LocalHash(100 + i)).collect();
+    assert_eq!(index.find_matches(&q, &MatchOptions::default())[0].blocks, 4);
+}
+
+#[test]
+fn remove_worker_applies_after_queued_events_and_frees_the_slot() {
+    let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
+    let pool = ApplyPool::new(index.clone(), 2, 16, None);
+    let a = WorkerId::new(1, 0);
+    let b = WorkerId::new(2, 3);
+    for w in [a, b] {
+        pool.apply(
+            w,
+            vec![WorkerEvent::Stored { parent: None, blocks: vec![StoredBlock::new(5, 50), StoredBlock::new(6, 60)] }],
+            0,
+        );
+    }
+    pool.remove_worker(a);
+    pool.flush();
+    let answer = index.find_matches(&[LocalHash(50), LocalHash(60)], &MatchOptions::default());
+    assert_eq!(answer.len(), 1);
+    assert_eq!((answer[0].worker, answer[0].blocks), (b, 2));
+    assert_eq!(index.stats().workers, 1);
+    assert_eq!(index.stats().placements, 2);
+    pool.shutdown();
+}

@@ -1,0 +1,142 @@
+//! The cases the design calls out, run against every backend.
+
+use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex::index::radix::RadixIndex;
+use kvindex::index::reference::ReferenceIndex;
+use kvindex::index::{KvIndex, MatchOptions};
+
+fn chain(hashes: impl IntoIterator<Item = u64>, locals: impl IntoIterator<Item = u64>) -> Vec<StoredBlock> {
+    hashes.into_iter().zip(locals).map(|(h, l)| StoredBlock::new(h, l)).collect()
+}
+
+fn q(locals: &[u64]) -> Vec<LocalHash> {
+    locals.iter().map(|&l| LocalHash(l)).collect()
+}
+
+fn depths<I: KvIndex>(index: &I, query: &[u64], opts: &MatchOptions) -> Vec<(u64, u32, u32)> {
+    index.find_matches(&q(query), opts).into_iter().map(|m| (m.worker.worker_id, m.worker.dp_rank, m.blocks)).collect()
+}
+
+/// Runs the generic case `$case` on every backend, one test each.
+macro_rules! for_each_backend {
+    ($case:ident) => {
+        mod $case {
+            use super::*;
+            #[test]
+            fn positional() {
+                super::$case(PositionalIndex::new(PositionalConfig { jump: 8, ..Default::default() }));
+            }
+            #[test]
+            fn positional_jump_1() {
+                super::$case(PositionalIndex::new(PositionalConfig { jump: 1, ..Default::default() }));
+            }
+            #[test]
+            fn radix() {
+                super::$case(RadixIndex::new(1 << 16, 1 << 16));
+            }
+            #[test]
+            fn reference() {
+                super::$case(ReferenceIndex::new(1 << 16, 1 << 16));
+            }
+        }
+    };
+}
+
+// DESIGN §1: a worker holding [A, X] and [B, Y] matches the query [A, Y] by one block.
+for_each_backend!(collision_under_another_parent_is_not_a_match);
+fn collision_under_another_parent_is_not_a_match<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(1, 0)).unwrap();
+    index.store(&mut w, None, &chain([10, 11], [0xA, 0x99_u64]));
+    index.store(&mut w, None, &chain([20, 21], [0xB, 0xF]));
+    assert_eq!(depths(&index, &[0xA, 0xF], &MatchOptions::default()), vec![(1, 0, 1)]);
+    assert_eq!(depths(&index, &[0xB, 0xF], &MatchOptions::default()), vec![(1, 0, 2)]);
+    assert_eq!(depths(&index, &[0xF], &MatchOptions::default()), vec![]);
+}
+
+// A block removed in the middle ends the match there, whatever is still held after it.
+for_each_backend!(middle_removal_ends_the_match);
+fn middle_removal_ends_the_match<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(7, 0)).unwrap();
+    let hashes: Vec<u64> = (1000..1100).collect();
+    let locals: Vec<u64> = (0..100).map(|i| 5000 + i).collect();
+    assert_eq!(index.store(&mut w, None, &chain(hashes.clone(), locals.clone())).stored, 100);
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(7, 0, 100)]);
+    assert_eq!(index.remove(&mut w, &[BlockHash(1010)]).removed, 1);
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(7, 0, 10)]);
+    // Storing it back under its parent closes the hole again.
+    index.store(&mut w, Some(BlockHash(1009)), &chain([1010], [5010]));
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(7, 0, 100)]);
+}
+
+// Engines hash content the same way everywhere: two workers share every engine hash.
+for_each_backend!(workers_sharing_engine_hashes_do_not_disturb_each_other);
+fn workers_sharing_engine_hashes_do_not_disturb_each_other<I: KvIndex>(index: I) {
+    let mut a = index.writer(WorkerId::new(1, 0)).unwrap();
+    let mut b = index.writer(WorkerId::new(2, 0)).unwrap();
+    let locals = [1u64, 2, 3, 4];
+    index.store(&mut a, None, &chain([11, 12, 13, 14], locals));
+    index.store(&mut b, None, &chain([11, 12, 13, 14], locals));
+    index.remove(&mut a, &[BlockHash(13)]);
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(2, 0, 4), (1, 0, 2)]);
+    index.clear(&mut b);
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(1, 0, 2)]);
+}
+
+// Bad input is reported, never a panic, and changes nothing else.
+for_each_backend!(duplicates_unknowns_and_unplaceable_are_counted);
+fn duplicates_unknowns_and_unplaceable_are_counted<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(3, 1)).unwrap();
+    let out = index.store(&mut w, None, &chain([1, 2], [10, 20]));
+    assert_eq!((out.stored, out.duplicates), (2, 0));
+    let out = index.store(&mut w, None, &chain([1, 2], [10, 20]));
+    assert_eq!((out.stored, out.duplicates), (0, 2));
+    let out = index.store(&mut w, Some(BlockHash(99)), &chain([3], [30]));
+    assert_eq!((out.stored, out.unplaceable), (0, 1));
+    let out = index.remove(&mut w, &[BlockHash(98), BlockHash(2)]);
+    assert_eq!((out.removed, out.unknown_removes), (1, 1));
+    assert_eq!(index.stats().placements, 1);
+    assert_eq!(depths(&index, &[10, 20], &MatchOptions::default()), vec![(3, 1, 1)]);
+}
+
+// Worker filter and max_blocks; sorted deepest first, then by worker.
+for_each_backend!(filter_and_max_blocks);
+fn filter_and_max_blocks<I: KvIndex>(index: I) {
+    for (id, len) in [(5u64, 3usize), (6, 5), (4, 5)] {
+        let mut w = index.writer(WorkerId::new(id, 0)).unwrap();
+        index.store(&mut w, None, &chain((0..len as u64).map(|i| id * 100 + i), (0..len as u64).map(|i| 40 + i)));
+    }
+    let query = [40, 41, 42, 43, 44, 45];
+    assert_eq!(depths(&index, &query, &MatchOptions::default()), vec![(4, 0, 5), (6, 0, 5), (5, 0, 3)]);
+    let only = MatchOptions { workers: Some(vec![5, 6]), max_blocks: None };
+    assert_eq!(depths(&index, &query, &only), vec![(6, 0, 5), (5, 0, 3)]);
+    let short = MatchOptions { workers: None, max_blocks: Some(2) };
+    assert_eq!(depths(&index, &query, &short), vec![(4, 0, 2), (5, 0, 2), (6, 0, 2)]);
+}
+
+// Hundreds of workers (sets spill past one inline window), removed and re-added.
+for_each_backend!(many_workers_and_slot_reuse);
+fn many_workers_and_slot_reuse<I: KvIndex>(index: I) {
+    let locals: Vec<u64> = (0..40).collect();
+    let mut writers: Vec<_> = (0..300u64).map(|id| index.writer(WorkerId::new(id * 977, (id % 3) as u32)).unwrap()).collect();
+    for (i, w) in writers.iter_mut().enumerate() {
+        let len = 1 + i % 40;
+        index.store(w, None, &chain((0..len as u64).map(|b| 1_000_000 + b), locals[..len].iter().copied()));
+    }
+    let all = depths(&index, &locals, &MatchOptions::default());
+    assert_eq!(all.len(), 300);
+    for (id, dp, d) in &all {
+        let i = (id / 977) as usize;
+        assert_eq!((*dp, *d as usize), ((i % 3) as u32, 1 + i % 40));
+    }
+    for w in writers.drain(100..) {
+        index.remove_worker(w);
+    }
+    assert_eq!(index.stats().workers, 100);
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()).len(), 100);
+    let mut again = index.writer(WorkerId::new(12345, 0)).unwrap();
+    index.store(&mut again, None, &chain([1], [0]));
+    let now = depths(&index, &locals[..1], &MatchOptions::default());
+    assert_eq!(now.len(), 101);
+    assert!(now.contains(&(12345, 0, 1)));
+}

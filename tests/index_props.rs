@@ -1,0 +1,142 @@
+//! Every backend must answer exactly like the reference model, on random event streams
+//! built to hit the hard cases: chunk-hash collisions (a tiny local-hash alphabet), removals
+//! in the middle of chains, engine hashes reused for other blocks, duplicates, unknown
+//! parents and removes, clears, and workers removed and coming back (restarts).
+
+use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex::index::radix::RadixIndex;
+use kvindex::index::reference::ReferenceIndex;
+use kvindex::index::{ApplyOutcome, KvIndex, MatchOptions, WorkerMatch};
+use proptest::prelude::*;
+use std::collections::HashMap;
+
+#[derive(Clone, Debug)]
+enum Op {
+    Store { worker: usize, parent: Option<u64>, blocks: Vec<(u64, u64)> },
+    Remove { worker: usize, hashes: Vec<u64> },
+    Clear { worker: usize },
+    RemoveWorker { worker: usize },
+    Lookup { query: Vec<u64>, only: Option<Vec<u64>>, max_blocks: Option<usize> },
+}
+
+/// Worker identities: a few ids, two dp ranks each.
+fn worker_id(w: usize, spread: u64) -> WorkerId {
+    WorkerId::new((w / 2) as u64 * spread, (w % 2) as u32)
+}
+
+fn op_strategy(workers: usize, hashes: u64, locals: u64) -> impl Strategy<Value = Op> {
+    let w = 0..workers;
+    let h = 0..hashes;
+    let l = 0..locals;
+    prop_oneof![
+        6 => (w.clone(), proptest::option::weighted(0.7, h.clone()), proptest::collection::vec((h.clone(), l.clone()), 1..6))
+            .prop_map(|(worker, parent, blocks)| Op::Store { worker, parent, blocks }),
+        3 => (w.clone(), proptest::collection::vec(h.clone(), 1..4)).prop_map(|(worker, hashes)| Op::Remove { worker, hashes }),
+        1 => w.clone().prop_map(|worker| Op::Clear { worker }),
+        1 => w.prop_map(|worker| Op::RemoveWorker { worker }),
+        5 => (
+            proptest::collection::vec(l, 1..10),
+            proptest::option::weighted(0.2, proptest::collection::vec(0u64..4, 1..3)),
+            proptest::option::weighted(0.2, 0usize..8)
+        )
+            .prop_map(|(query, only, max_blocks)| Op::Lookup { query, only, max_blocks }),
+    ]
+}
+
+/// One backend with its writers, driven by the ops.
+struct Driver<I: KvIndex> {
+    index: I,
+    writers: HashMap<usize, I::Writer>,
+    spread: u64,
+}
+
+impl<I: KvIndex> Driver<I> {
+    fn new(index: I, spread: u64) -> Self {
+        Driver { index, writers: HashMap::new(), spread }
+    }
+
+    /// Applies `op`; lookups return their answer, writes their outcome.
+    fn apply(&mut self, op: &Op) -> (Option<ApplyOutcome>, Option<Vec<WorkerMatch>>) {
+        let Driver { index, writers, spread } = self;
+        let spread = *spread;
+        fn writer<'a, I: KvIndex>(
+            index: &I,
+            writers: &'a mut HashMap<usize, I::Writer>,
+            w: usize,
+            spread: u64,
+        ) -> &'a mut I::Writer {
+            writers.entry(w).or_insert_with(|| index.writer(worker_id(w, spread)).expect("registry has room"))
+        }
+        match op {
+            Op::Store { worker, parent, blocks } => {
+                let blocks: Vec<StoredBlock> = blocks.iter().map(|&(b, l)| StoredBlock::new(b, l)).collect();
+                (Some(index.store(writer(index, writers, *worker, spread), parent.map(BlockHash), &blocks)), None)
+            }
+            Op::Remove { worker, hashes } => {
+                let hashes: Vec<BlockHash> = hashes.iter().map(|&h| BlockHash(h)).collect();
+                (Some(index.remove(writer(index, writers, *worker, spread), &hashes)), None)
+            }
+            Op::Clear { worker } => (Some(index.clear(writer(index, writers, *worker, spread))), None),
+            Op::RemoveWorker { worker } => match writers.remove(worker) {
+                Some(w) => (Some(index.remove_worker(w)), None),
+                None => (None, None),
+            },
+            Op::Lookup { query, only, max_blocks } => {
+                let q: Vec<LocalHash> = query.iter().map(|&l| LocalHash(l)).collect();
+                let opts = MatchOptions {
+                    workers: only.as_ref().map(|o| o.iter().map(|x| x * spread).collect()),
+                    max_blocks: *max_blocks,
+                };
+                (None, Some(index.find_matches(&q, &opts)))
+            }
+        }
+    }
+}
+
+fn check(ops: &[Op], jump: usize, spread: u64) -> Result<(), TestCaseError> {
+    let cfg = PositionalConfig { jump, max_depth: 64, max_workers: 1 << 12 };
+    let mut reference = Driver::new(ReferenceIndex::new(64, 1 << 12), spread);
+    let mut positional = Driver::new(PositionalIndex::new(cfg), spread);
+    let mut radix = Driver::new(RadixIndex::new(64, 1 << 12), spread);
+    for (i, op) in ops.iter().enumerate() {
+        let want = reference.apply(op);
+        let got_p = positional.apply(op);
+        let got_r = radix.apply(op);
+        prop_assert_eq!(&got_p, &want, "positional differs at op {} {:?}", i, op);
+        prop_assert_eq!(&got_r, &want, "radix differs at op {} {:?}", i, op);
+    }
+    // After the stream, every prefix of every chain any worker could hold must agree too.
+    let p = positional.index.stats();
+    let r = reference.index.stats();
+    prop_assert_eq!(p.placements, r.placements);
+    prop_assert_eq!(radix.index.stats().placements, r.placements);
+    prop_assert_eq!(p.entries, r.entries, "positional entries = distinct (position, prefix)");
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// Few hashes and locals: collisions, reuse and duplicates on nearly every op.
+    #[test]
+    fn backends_match_reference_dense(ops in proptest::collection::vec(op_strategy(6, 12, 4), 1..120), jump in 1usize..6) {
+        check(&ops, jump, 1)?;
+    }
+
+    /// More room: longer chains survive, so jumps and binary search inside them matter.
+    #[test]
+    fn backends_match_reference_sparse(ops in proptest::collection::vec(op_strategy(4, 40, 12), 1..200), jump in 1usize..9) {
+        check(&ops, jump, 1)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+
+    /// Worker ids far apart so slots land in many windows: worker sets spill and fold back.
+    #[test]
+    fn backends_match_reference_with_many_workers(ops in proptest::collection::vec(op_strategy(120, 16, 4), 1..300), jump in 1usize..5) {
+        check(&ops, jump, 1_000_003)?;
+    }
+}

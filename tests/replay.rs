@@ -1,0 +1,86 @@
+//! The mock engine against the figures STREAM.md gives for the reference configuration, and
+//! every backend against the reference model on a replay of the real trace.
+
+use kvindex::apply::WorkerEvent;
+use kvindex::bench::{Op, Workload};
+use kvindex::hash::WorkerId;
+use kvindex::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex::index::radix::RadixIndex;
+use kvindex::index::reference::ReferenceIndex;
+use kvindex::index::{KvIndex, MatchOptions, WorkerMatch};
+use kvindex::stream::{read_stream, write_stream, StreamOp};
+use kvindex::trace::{read_trace_file, MockConfig, MockEngine, TraceRequest};
+use std::collections::HashMap;
+
+fn trace() -> Vec<TraceRequest> {
+    read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).expect("shipped trace")
+}
+
+#[test]
+fn mock_engine_gives_the_reference_counts() {
+    let trace = trace();
+    let mut engine = MockEngine::new(MockConfig::default());
+    let mut ops = Vec::new();
+    for r in &trace {
+        engine.request(r, &mut ops);
+    }
+    let wl = Workload::from_timed(ops.clone());
+    assert_eq!(wl.ops.len(), 35_467);
+    assert_eq!(wl.lookup_blocks, 4_616_000);
+    assert_eq!(wl.stored_blocks, 4_354_496);
+    assert_eq!(wl.removed_blocks, 4_092_352);
+    assert_eq!(engine.cached_blocks(), 262_144);
+    // Event ids are consecutive per worker.
+    let mut next: HashMap<u64, u64> = HashMap::new();
+    for o in &ops {
+        if let StreamOp::Stored { worker, event_id, .. } | StreamOp::Removed { worker, event_id, .. } = &o.op {
+            let n = next.entry(*worker).or_default();
+            assert_eq!(event_id, n);
+            *n += 1;
+        }
+    }
+    // The same configuration gives the same stream, and it survives the JSONL format.
+    let again = MockEngine::run(MockConfig::default(), &trace[..500]);
+    assert_eq!(&again[..], &ops[..again.len()]);
+    let plain: Vec<StreamOp> = again.iter().map(|o| o.op.clone()).collect();
+    let mut buf = Vec::new();
+    write_stream(&mut buf, &plain).unwrap();
+    assert_eq!(read_stream(&buf[..]).unwrap(), plain);
+}
+
+fn replay<I: KvIndex>(index: &I, wl: &Workload) -> Vec<Vec<WorkerMatch>> {
+    let mut writers: HashMap<WorkerId, I::Writer> = HashMap::new();
+    let mut answers = Vec::new();
+    for op in &wl.ops {
+        match op {
+            Op::Lookup(q) => answers.push(index.find_matches(q, &MatchOptions::default())),
+            Op::Event(w, ev) => {
+                let wr = writers.entry(*w).or_insert_with(|| index.writer(*w).unwrap());
+                match ev {
+                    WorkerEvent::Stored { parent, blocks } => {
+                        assert_eq!(index.store(wr, *parent, blocks).stored, blocks.len() as u64)
+                    }
+                    WorkerEvent::Removed { hashes } => assert_eq!(index.remove(wr, hashes).removed, hashes.len() as u64),
+                    WorkerEvent::Cleared => {
+                        index.clear(wr);
+                    }
+                }
+            }
+        }
+    }
+    answers
+}
+
+#[test]
+fn backends_answer_every_trace_lookup_like_the_reference() {
+    let trace = trace();
+    let cfg = MockConfig { workers: 6, capacity: 600, factor: 2, seed: 9 };
+    let wl = Workload::from_timed(MockEngine::run(cfg, &trace[..2500]));
+    let want = replay(&ReferenceIndex::new(1 << 16, 64), &wl);
+    assert!(want.iter().filter(|a| a.len() > 1).count() > 100, "the replay exercises multi-worker answers");
+    for jump in [1, 4, 32] {
+        let got = replay(&PositionalIndex::new(PositionalConfig { jump, ..Default::default() }), &wl);
+        assert!(got == want, "positional (jump {jump}) differs from the reference");
+    }
+    assert!(replay(&RadixIndex::new(1 << 16, 64), &wl) == want, "radix differs from the reference");
+}
