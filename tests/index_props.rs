@@ -116,7 +116,7 @@ fn check(ops: &[Op], jump: usize, spread: u64) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
     /// Few hashes and locals: collisions, reuse and duplicates on nearly every op.
     #[test]
@@ -132,7 +132,7 @@ proptest! {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 60, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
 
     /// Worker ids far apart so slots land in many windows: worker sets spill and fold back.
     #[test]

@@ -3,7 +3,9 @@
 //!
 //! Key and value share one slot, so a lookup costs one cache miss where a SwissTable costs
 //! two (control bytes, then the bucket); deletion leaves no tombstones, so steady churn
-//! never grows the table; the table shrinks when mostly empty. Load stays in 3/16..3/4.
+//! never grows the table; the table shrinks when mostly empty. Any capacity works (the home
+//! slot is a fast range reduction, not a mask), so a table grows by half, not by doubling,
+//! and load stays in 3/16..3/4, about 0.6 in steady state.
 
 /// Slot key marking an empty slot; a real key equal to it lives in `zero`.
 const EMPTY: u64 = 0;
@@ -21,20 +23,40 @@ pub(crate) struct LinearMap<V: Copy + Default> {
     slots: Vec<Slot<V>>,
     /// Keys in `slots` (not counting `zero`).
     used: usize,
-    shift: u32,
     zero: Option<V>,
+}
+
+/// The home slot of `key` in a table of `cap` slots: the key is mixed by a Fibonacci
+/// multiply (spreading sequential keys), then reduced to `0..cap` by a 128-bit multiply.
+#[inline]
+fn home_of(key: u64, cap: usize) -> usize {
+    let mixed = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    ((mixed as u128 * cap as u128) >> 64) as usize
 }
 
 impl<V: Copy + Default> LinearMap<V> {
     #[inline]
     fn home(&self, key: u64) -> usize {
-        // Fibonacci hashing: the top bits of key * 2^64/phi; spreads sequential keys too.
-        (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+        home_of(key, self.slots.len())
     }
 
     #[inline]
-    fn mask(&self) -> usize {
-        self.slots.len() - 1
+    fn next(&self, i: usize) -> usize {
+        if i + 1 == self.slots.len() {
+            0
+        } else {
+            i + 1
+        }
+    }
+
+    /// Slots from `from` forward to `to`, wrapping.
+    #[inline]
+    fn dist(&self, from: usize, to: usize) -> usize {
+        if to >= from {
+            to - from
+        } else {
+            to + self.slots.len() - from
+        }
     }
 
     /// Index of `key`'s slot, if present (`key` != EMPTY).
@@ -43,7 +65,6 @@ impl<V: Copy + Default> LinearMap<V> {
         if self.slots.is_empty() {
             return None;
         }
-        let mask = self.mask();
         let mut i = self.home(key);
         loop {
             let k = self.slots[i].key;
@@ -53,7 +74,7 @@ impl<V: Copy + Default> LinearMap<V> {
             if k == EMPTY {
                 return None;
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
     }
 
@@ -84,9 +105,8 @@ impl<V: Copy + Default> LinearMap<V> {
             return self.zero.replace(val);
         }
         if (self.used + 1) * 4 > self.slots.len() * 3 {
-            self.resize((self.slots.len() * 2).max(MIN_CAP));
+            self.resize((self.slots.len() + self.slots.len() / 2).max(MIN_CAP));
         }
-        let mask = self.mask();
         let mut i = self.home(key);
         loop {
             let s = &mut self.slots[i];
@@ -98,7 +118,7 @@ impl<V: Copy + Default> LinearMap<V> {
                 self.used += 1;
                 return None;
             }
-            i = (i + 1) & mask;
+            i = self.next(i);
         }
     }
 
@@ -110,16 +130,15 @@ impl<V: Copy + Default> LinearMap<V> {
         }
         let mut hole = self.find(key)?;
         let val = self.slots[hole].val;
-        let mask = self.mask();
         let mut j = hole;
         loop {
-            j = (j + 1) & mask;
+            j = self.next(j);
             let k = self.slots[j].key;
             if k == EMPTY {
                 break;
             }
             // Move k back into the hole unless its home lies cyclically in (hole, j].
-            if (j.wrapping_sub(self.home(k)) & mask) >= (j.wrapping_sub(hole) & mask) {
+            if self.dist(self.home(k), j) >= self.dist(hole, j) {
                 self.slots[hole] = self.slots[j];
                 hole = j;
             }
@@ -129,7 +148,7 @@ impl<V: Copy + Default> LinearMap<V> {
         if self.used == 0 {
             self.slots = Vec::new();
         } else if self.slots.len() > MIN_CAP && self.used * 16 < self.slots.len() * 3 {
-            self.resize((self.used * 2).next_power_of_two().max(MIN_CAP));
+            self.resize((self.used * 2).max(MIN_CAP));
         }
         Some(val)
     }
@@ -137,12 +156,10 @@ impl<V: Copy + Default> LinearMap<V> {
     fn resize(&mut self, cap: usize) {
         let old = std::mem::take(&mut self.slots);
         self.slots = vec![Slot::default(); cap];
-        self.shift = 64 - cap.trailing_zeros();
-        let mask = cap - 1;
         for s in old.into_iter().filter(|s| s.key != EMPTY) {
             let mut i = self.home(s.key);
             while self.slots[i].key != EMPTY {
-                i = (i + 1) & mask;
+                i = self.next(i);
             }
             self.slots[i] = s;
         }
@@ -166,8 +183,8 @@ impl<V: Copy + Default> LinearMap<V> {
 
     /// Where the slots are and how keys map to them, for [`prefetch_raw`] by a thread that
     /// does not hold the map.
-    pub fn raw_hint(&self) -> (*const u8, u32) {
-        (self.slots.as_ptr() as *const u8, self.shift)
+    pub fn raw_hint(&self) -> (*const u8, usize) {
+        (self.slots.as_ptr() as *const u8, self.slots.len())
     }
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> + '_ {
@@ -183,11 +200,11 @@ impl<V: Copy + Default> LinearMap<V> {
 /// Prefetches `key`'s home slot given a [`LinearMap::raw_hint`] that may be stale: the
 /// address is only computed and hinted, never dereferenced, so a stale hint is harmless.
 #[inline]
-pub(crate) fn prefetch_raw<V>(ptr: *const u8, shift: u32, key: u64) {
-    if ptr.is_null() || shift == 0 || shift >= 64 {
+pub(crate) fn prefetch_raw<V>(ptr: *const u8, cap: usize, key: u64) {
+    if ptr.is_null() || cap == 0 {
         return;
     }
-    let idx = (key.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> shift) as usize;
+    let idx = home_of(key, cap);
     let _p = ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>());
     #[cfg(target_arch = "x86_64")]
     // SAFETY: prefetching is a hint and cannot fault, whatever the address.

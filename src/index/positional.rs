@@ -14,12 +14,12 @@
 
 use super::linear::{prefetch_raw, LinearMap};
 use super::{candidate_slots, finish_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
-use crate::hash::{BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
+use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::{RwLock, RwLockWriteGuard};
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 /// Positions per chunk. A chunk is allocated on first use and its levels share one lock,
@@ -58,14 +58,14 @@ struct LevelData {
 #[derive(Default)]
 struct Hint {
     slots: AtomicPtr<u8>,
-    shift: AtomicU32,
+    cap: AtomicUsize,
 }
 
 impl Hint {
     fn publish(&self, data: &LevelData) {
-        let (ptr, shift) = data.table.raw_hint();
+        let (ptr, cap) = data.table.raw_hint();
         self.slots.store(ptr as *mut u8, Ordering::Relaxed);
-        self.shift.store(shift, Ordering::Relaxed);
+        self.cap.store(cap, Ordering::Relaxed);
     }
 }
 
@@ -154,8 +154,9 @@ pub struct PositionalWriter {
     blocks: LinearMap<Rec>,
     /// Held blocks whose parent is not held (the cache is not prefix-closed while > 0).
     orphans: u64,
-    /// Orphans by the engine hash of the parent they wait for: (parent prefix, count).
-    waiting: FxHashMap<u64, (u64, u32)>,
+    /// Orphans by the engine hash of the parent they wait for: (its position, its prefix,
+    /// how many wait).
+    waiting: FxHashMap<u64, (u32, u64, u32)>,
     /// Set when an engine hash was reused in a way the orphan count cannot follow; the
     /// worker is then always checked position by position, until it is cleared.
     tangled: bool,
@@ -173,15 +174,15 @@ impl PositionalWriter {
         self.orphans > 0 || self.tangled
     }
 
-    fn add_waiting(&mut self, parent: u64, parent_prefix: u64, n: u32) {
+    fn add_waiting(&mut self, parent: u64, parent_pos: u32, parent_prefix: u64, n: u32) {
         self.orphans += n as u64;
         match self.waiting.entry(parent) {
             std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert((parent_prefix, n));
+                v.insert((parent_pos, parent_prefix, n));
             }
             std::collections::hash_map::Entry::Occupied(mut o) => {
-                let (p, c) = o.get_mut();
-                if *p != parent_prefix {
+                let (pos, p, c) = o.get_mut();
+                if (*pos, *p) != (parent_pos, parent_prefix) {
                     self.tangled = true;
                 }
                 *c += n;
@@ -189,10 +190,10 @@ impl PositionalWriter {
         }
     }
 
-    /// Orphans waiting for the block (`hash`, `prefix`) attach to it now.
-    fn take_waiting(&mut self, hash: u64, prefix: u64) -> u32 {
+    /// Orphans waiting for the block `hash` at (`pos`, `prefix`) attach to it now.
+    fn take_waiting(&mut self, hash: u64, pos: u32, prefix: u64) -> u32 {
         match self.waiting.get(&hash) {
-            Some(&(p, n)) if p == prefix => {
+            Some(&(at, p, n)) if (at, p) == (pos, prefix) => {
                 self.waiting.remove(&hash);
                 self.orphans -= n as u64;
                 n
@@ -208,7 +209,7 @@ impl PositionalWriter {
 
     /// An orphan stored under `parent` goes away.
     fn drop_waiting(&mut self, parent: u64) {
-        if let Some((_, n)) = self.waiting.get_mut(&parent) {
+        if let Some((_, _, n)) = self.waiting.get_mut(&parent) {
             *n -= 1;
             self.orphans -= 1;
             if *n == 0 {
@@ -293,7 +294,7 @@ impl PositionalIndex {
     fn prefetch_entry(&self, pos: u32, prefix: u64) {
         if let Some(chunk) = self.chunk(pos) {
             let hint = &chunk.hints[pos as usize % CHUNK];
-            prefetch_raw::<WorkerSet>(hint.slots.load(Ordering::Relaxed), hint.shift.load(Ordering::Relaxed), prefix);
+            prefetch_raw::<WorkerSet>(hint.slots.load(Ordering::Relaxed), hint.cap.load(Ordering::Relaxed), prefix);
         }
     }
 
@@ -326,7 +327,7 @@ impl PositionalIndex {
             None => self.index_remove(cur, rec.pos, rec.prefix, w.slot),
         }
         if rec.children > 0 {
-            w.add_waiting(hash, rec.prefix, rec.children);
+            w.add_waiting(hash, rec.pos, rec.prefix, rec.children);
         }
         w.blocks.remove(hash);
         if rec.pos > 0 {
@@ -454,7 +455,7 @@ impl KvIndex for PositionalIndex {
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
                 if let Some(p) = parent_ref.as_mut() {
-                    p.held = w.blocks.get(p.hash).is_some_and(|r| r.prefix == p.prefix);
+                    p.held = w.blocks.get(p.hash).is_some_and(|r| r.prefix == p.prefix && r.pos + 1 == pos);
                 }
             }
             let mut rec = Rec { parent: 0, prefix, pos, children: 0 };
@@ -467,12 +468,12 @@ impl KvIndex for PositionalIndex {
                 }
                 Some(ParentRef { hash: ph, prefix: pp, held: false }) => {
                     rec.parent = ph;
-                    w.add_waiting(ph, pp, 1);
+                    w.add_waiting(ph, pos - 1, pp, 1);
                 }
                 None => {}
             }
             if !w.waiting.is_empty() {
-                rec.children += w.take_waiting(hash, prefix);
+                rec.children += w.take_waiting(hash, pos, prefix);
             }
             w.blocks.insert(hash, rec);
             if !self.index_add(&mut cur, pos, prefix, w.slot) {
@@ -562,10 +563,7 @@ impl KvIndex for PositionalIndex {
             while lo + 1 < n && !alive.is_empty() {
                 let hi = (lo + jump).min(n - 1);
                 // The query's prefix chain, computed once and only as deep as the search goes.
-                while prefixes.len() <= hi {
-                    let next = prefixes[prefixes.len() - 1].extend(query[prefixes.len()]);
-                    prefixes.push(next);
-                }
+                extend_chain(query, prefixes, hi);
                 probe.copy_from(alive);
                 self.probe(hi as u32, prefixes[hi], probe);
                 if probe != alive {
