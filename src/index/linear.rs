@@ -122,14 +122,63 @@ impl<V: Copy + Default> LinearMap<V> {
         }
     }
 
+    /// The value of `key`, inserting `default` first if absent; true if it was inserted.
+    #[inline]
+    pub fn upsert(&mut self, key: u64, default: V) -> (&mut V, bool) {
+        if key == EMPTY {
+            let new = self.zero.is_none();
+            return (self.zero.get_or_insert(default), new);
+        }
+        if (self.used + 1) * 4 > self.slots.len() * 3 {
+            self.resize((self.slots.len() + self.slots.len() / 2).max(MIN_CAP));
+        }
+        let mut i = self.home(key);
+        loop {
+            let k = self.slots[i].key;
+            if k == key {
+                return (&mut self.slots[i].val, false);
+            }
+            if k == EMPTY {
+                self.slots[i] = Slot { key, val: default };
+                self.used += 1;
+                return (&mut self.slots[i].val, true);
+            }
+            i = self.next(i);
+        }
+    }
+
+    /// Applies `f` to the value of `key` and removes the key if `f` says so; `None` if absent.
+    #[inline]
+    pub fn update_or_remove(&mut self, key: u64, f: impl FnOnce(&mut V) -> bool) -> Option<bool> {
+        if key == EMPTY {
+            let v = self.zero.as_mut()?;
+            let gone = f(v);
+            if gone {
+                self.zero = None;
+            }
+            return Some(gone);
+        }
+        let i = self.find(key)?;
+        let gone = f(&mut self.slots[i].val);
+        if gone {
+            self.remove_at(i);
+        }
+        Some(gone)
+    }
+
     /// Removes `key`; shifts later keys of its probe run back so no tombstone remains.
     #[inline]
     pub fn remove(&mut self, key: u64) -> Option<V> {
         if key == EMPTY {
             return self.zero.take();
         }
-        let mut hole = self.find(key)?;
-        let val = self.slots[hole].val;
+        let i = self.find(key)?;
+        let val = self.slots[i].val;
+        self.remove_at(i);
+        Some(val)
+    }
+
+    fn remove_at(&mut self, mut hole: usize) {
         let mut j = hole;
         loop {
             j = self.next(j);
@@ -150,7 +199,6 @@ impl<V: Copy + Default> LinearMap<V> {
         } else if self.slots.len() > MIN_CAP && self.used * 16 < self.slots.len() * 3 {
             self.resize((self.used * 2).max(MIN_CAP));
         }
-        Some(val)
     }
 
     fn resize(&mut self, cap: usize) {
@@ -222,7 +270,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..3, 0u64..40, any::<u32>()), 0..600)) {
+        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..5, 0u64..40, any::<u32>()), 0..600)) {
             let mut m: LinearMap<u32> = LinearMap::default();
             let mut r: HashMap<u64, u32> = HashMap::new();
             for (op, k, v) in ops {
@@ -231,6 +279,20 @@ mod tests {
                 match op {
                     0 => prop_assert_eq!(m.insert(key, v), r.insert(key, v)),
                     1 => prop_assert_eq!(m.remove(key), r.remove(&key)),
+                    2 => {
+                        let (got, new) = m.upsert(key, v);
+                        prop_assert_eq!(new, !r.contains_key(&key));
+                        prop_assert_eq!(*got, *r.entry(key).or_insert(v));
+                    }
+                    3 => {
+                        // Remove odd values, halve even ones.
+                        let f = |x: &mut u32| { *x /= 2; *x % 2 == 1 };
+                        let want = r.get_mut(&key).map(f);
+                        if want == Some(true) {
+                            r.remove(&key);
+                        }
+                        prop_assert_eq!(m.update_or_remove(key, f), want);
+                    }
                     _ => prop_assert_eq!(m.get(key).copied(), r.get(&key).copied()),
                 }
                 prop_assert_eq!(m.len(), r.len());

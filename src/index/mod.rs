@@ -140,11 +140,13 @@ pub(crate) fn candidate_slots(registry: &WorkerRegistry, opts: &MatchOptions, ou
 
 /// Turns `(slot, depth)` pairs into sorted worker matches.
 pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)]) -> Vec<WorkerMatch> {
-    let mut out: Vec<WorkerMatch> = registry.with_ids(|ids| {
-        depths
-            .iter()
-            .filter_map(|&(s, d)| ids.get(s as usize).copied().flatten().map(|worker| WorkerMatch { worker, blocks: d }))
-            .collect()
+    let mut out = Vec::with_capacity(depths.len());
+    registry.with_ids(|ids| {
+        for &(s, d) in depths {
+            if let Some(&Some(worker)) = ids.get(s as usize) {
+                out.push(WorkerMatch { worker, blocks: d });
+            }
+        }
     });
     out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
     out

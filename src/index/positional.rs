@@ -265,25 +265,24 @@ impl PositionalIndex {
     fn index_add(&self, cur: &mut WriteCursor<'_>, pos: u32, prefix: u64, slot: Slot) -> bool {
         let Some((level, hint)) = cur.level(pos, true) else { return true };
         let LevelData { table, spill } = level;
-        if let Some(set) = table.get_mut(prefix) {
-            return set.insert_spilling(slot, prefix, spill);
+        let (set, new) = table.upsert(prefix, WorkerSet::EMPTY);
+        let added = set.insert_spilling(slot, prefix, spill);
+        if new {
+            hint.publish(level);
+            cur.entries += 1;
         }
-        let mut set = WorkerSet::EMPTY;
-        set.insert_spilling(slot, prefix, spill);
-        table.insert(prefix, set);
-        hint.publish(level);
-        cur.entries += 1;
-        true
+        added
     }
 
     /// Removes `slot` from the entry (pos, prefix), dropping the entry when empty.
     fn index_remove(&self, cur: &mut WriteCursor<'_>, pos: u32, prefix: u64, slot: Slot) {
         let Some((level, hint)) = cur.level(pos, false) else { return };
         let LevelData { table, spill } = level;
-        let Some(set) = table.get_mut(prefix) else { return };
-        set.remove_spilling(slot, prefix, spill);
-        if set.is_empty() {
-            table.remove(prefix);
+        let emptied = table.update_or_remove(prefix, |set| {
+            set.remove_spilling(slot, prefix, spill);
+            set.is_empty()
+        });
+        if emptied == Some(true) {
             hint.publish(level);
             cur.entries -= 1;
         }
@@ -315,9 +314,11 @@ impl PositionalIndex {
 
     /// Drops block `hash` of `w` (held, as `rec`): from the index, from its parent's
     /// children, and from the reverse map.
+    /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
+    /// and its parent's children.
     fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec) {
         let key = (rec.pos, rec.prefix);
-        match w.aliases.get_mut(&key) {
+        match if w.aliases.is_empty() { None } else { w.aliases.get_mut(&key) } {
             Some(n) => {
                 *n -= 1;
                 if *n == 0 {
@@ -329,7 +330,6 @@ impl PositionalIndex {
         if rec.children > 0 {
             w.add_waiting(hash, rec.pos, rec.prefix, rec.children);
         }
-        w.blocks.remove(hash);
         if rec.pos > 0 {
             match w.blocks.get_mut(rec.parent).filter(|p| p.pos + 1 == rec.pos) {
                 Some(p) => p.children = p.children.saturating_sub(1),
@@ -451,6 +451,7 @@ impl KvIndex for PositionalIndex {
                     continue;
                 }
                 // The engine reused this hash for another block: its old placement goes.
+                w.blocks.remove(hash);
                 self.remove_rec(&mut cur, w, hash, old);
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
@@ -506,8 +507,8 @@ impl KvIndex for PositionalIndex {
                 self.prefetch_entry(rec.pos, rec.prefix);
                 w.blocks.prefetch(rec.parent);
             }
-            match w.blocks.get(h.0) {
-                Some(&rec) => {
+            match w.blocks.remove(h.0) {
+                Some(rec) => {
                     self.remove_rec(&mut cur, w, h.0, rec);
                     out.removed += 1;
                 }
