@@ -16,7 +16,7 @@ use super::linear::{prefetch_raw, LinearMap};
 use super::{candidate_slots, finish_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
-use parking_lot::{RwLock, RwLockWriteGuard};
+use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 
 /// Positions per chunk. A chunk is allocated on first use and its levels share one lock,
 /// so a writer applying a chain of blocks takes one lock per chunk, not one per block.
-const CHUNK: usize = 64;
+const CHUNK: usize = 128;
 /// Most blocks a writer applies under one chunk lock before it lets waiting lookups in.
 const MAX_HOLD: u32 = 32;
 
@@ -41,7 +41,7 @@ pub struct PositionalConfig {
 
 impl Default for PositionalConfig {
     fn default() -> Self {
-        PositionalConfig { jump: 32, max_depth: 1 << 16, max_workers: 1 << 16 }
+        PositionalConfig { jump: 64, max_depth: 1 << 16, max_workers: 1 << 16 }
     }
 }
 
@@ -297,23 +297,6 @@ impl PositionalIndex {
         }
     }
 
-    /// `alive &= workers holding (pos, prefix)`.
-    #[inline]
-    fn probe(&self, pos: u32, prefix: PrefixHash, alive: &mut SlotBits) {
-        let Some(chunk) = self.chunk(pos) else {
-            alive.clear();
-            return;
-        };
-        let levels = chunk.levels.read();
-        let level = &levels[pos as usize % CHUNK];
-        match level.table.get(prefix.0) {
-            None => alive.clear(),
-            Some(set) => set.and_into_spilling(prefix.0, &level.spill, alive),
-        }
-    }
-
-    /// Drops block `hash` of `w` (held, as `rec`): from the index, from its parent's
-    /// children, and from the reverse map.
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
     /// and its parent's children.
     fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec) {
@@ -344,10 +327,46 @@ impl PositionalIndex {
             self.registry.set_holey(w.slot, now);
         }
     }
+}
+
+/// A lookup's hold on the chunk it is probing: consecutive probes in one chunk share one
+/// read lock.
+struct ReadCursor<'a> {
+    index: &'a PositionalIndex,
+    chunk: usize,
+    guard: Option<RwLockReadGuard<'a, Box<[LevelData]>>>,
+}
+
+impl<'a> ReadCursor<'a> {
+    fn new(index: &'a PositionalIndex) -> Self {
+        ReadCursor { index, chunk: usize::MAX, guard: None }
+    }
+
+    /// `alive &= workers holding (pos, prefix)`.
+    #[inline]
+    fn probe(&mut self, pos: u32, prefix: PrefixHash, alive: &mut SlotBits) {
+        let c = pos as usize / CHUNK;
+        if c != self.chunk {
+            self.guard = None;
+            self.chunk = c;
+            if let Some(chunk) = self.index.chunk(pos) {
+                self.guard = Some(chunk.levels.read());
+            }
+        }
+        let Some(levels) = &self.guard else {
+            alive.clear();
+            return;
+        };
+        let level = &levels[pos as usize % CHUNK];
+        match level.table.get(prefix.0) {
+            None => alive.clear(),
+            Some(set) => set.and_into_spilling(prefix.0, &level.spill, alive),
+        }
+    }
 
     /// Workers in `set` hold position `lo` and not `hi`: find each one's exact depth.
     fn resolve(
-        &self,
+        &mut self,
         prefixes: &[PrefixHash],
         lo: usize,
         hi: usize,
@@ -551,7 +570,8 @@ impl KvIndex for PositionalIndex {
             depths.clear();
             candidate_slots(&self.registry, opts, alive);
             prefixes.push(PrefixHash::root(query[0]));
-            self.probe(0, prefixes[0], alive);
+            let mut reader = ReadCursor::new(self);
+            reader.probe(0, prefixes[0], alive);
             if alive.is_empty() {
                 return Vec::new();
             }
@@ -566,16 +586,17 @@ impl KvIndex for PositionalIndex {
                 // The query's prefix chain, computed once and only as deep as the search goes.
                 extend_chain(query, prefixes, hi);
                 probe.copy_from(alive);
-                self.probe(hi as u32, prefixes[hi], probe);
+                reader.probe(hi as u32, prefixes[hi], probe);
                 if probe != alive {
                     let (dropped, rest) = pool.split_first_mut().expect("pool is non-empty");
                     dropped.copy_from(alive);
                     dropped.and_not(probe);
-                    self.resolve(prefixes, lo, hi, dropped, rest, depths);
+                    reader.resolve(prefixes, lo, hi, dropped, rest, depths);
                 }
                 std::mem::swap(alive, probe);
                 lo = hi;
             }
+            drop(reader);
             depths.extend(alive.iter().map(|s| (s, n as u32)));
             finish_matches(&self.registry, depths)
         })
