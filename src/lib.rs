@@ -13,6 +13,30 @@
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 //!
 //! The `kvindex` binary (`src/bin/kvindex.rs`) is a thin CLI over these modules.
+//!
+//! # Example
+//!
+//! A worker caches three blocks of a request; a router asks who holds its prefix.
+//!
+//! ```
+//! use kvindex::hash::{local_hashes, BlockHash, StoredBlock, WorkerId};
+//! use kvindex::index::positional::{PositionalConfig, PositionalIndex};
+//! use kvindex::index::{KvIndex, MatchOptions};
+//!
+//! let index = PositionalIndex::new(PositionalConfig::default());
+//! let tokens: Vec<u32> = (0..64).collect();
+//! let locals = local_hashes(&tokens, 16, None, None); // four full blocks
+//!
+//! // The engine reports the first three blocks, under its own block hashes.
+//! let mut writer = index.writer(WorkerId::new(7, 0)).unwrap();
+//! let blocks: Vec<StoredBlock> =
+//!     locals[..3].iter().enumerate().map(|(i, l)| StoredBlock { block_hash: BlockHash(100 + i as u64), tokens_hash: *l }).collect();
+//! index.store(&mut writer, None, &blocks);
+//!
+//! let matches = index.find_matches(&locals, &MatchOptions::default());
+//! assert_eq!(matches[0].worker, WorkerId::new(7, 0));
+//! assert_eq!(matches[0].blocks, 3);
+//! ```
 
 pub mod alloc;
 pub mod apply;

@@ -19,17 +19,22 @@ pub enum StreamOp {
     Cleared { worker: u64, event_id: u64 },
 }
 
-/// Reads a whole stream; a bad line is an error naming its line number.
-pub fn read_stream(r: impl BufRead) -> Result<Vec<StreamOp>> {
-    let mut ops = Vec::new();
+/// Reads JSON lines of `what` (blank lines skipped); a bad line is an error naming its number.
+pub fn read_jsonl<T: serde::de::DeserializeOwned>(r: impl BufRead, what: &str) -> Result<Vec<T>> {
+    let mut out = Vec::new();
     for (n, line) in r.lines().enumerate() {
-        let line = line.with_context(|| format!("reading stream line {}", n + 1))?;
+        let line = line.with_context(|| format!("reading {what} line {}", n + 1))?;
         if line.trim().is_empty() {
             continue;
         }
-        ops.push(serde_json::from_str(&line).with_context(|| format!("stream line {}", n + 1))?);
+        out.push(serde_json::from_str(&line).with_context(|| format!("{what} line {}", n + 1))?);
     }
-    Ok(ops)
+    Ok(out)
+}
+
+/// Reads a whole stream; a bad line is an error naming its line number.
+pub fn read_stream(r: impl BufRead) -> Result<Vec<StreamOp>> {
+    read_jsonl(r, "stream")
 }
 
 /// Writes ops as JSONL.

@@ -25,15 +25,7 @@ pub struct TraceRequest {
 
 /// Reads a Mooncake trace (JSONL); a bad line is an error naming its line number.
 pub fn read_trace(r: impl BufRead) -> Result<Vec<TraceRequest>> {
-    let mut out = Vec::new();
-    for (n, line) in r.lines().enumerate() {
-        let line = line.with_context(|| format!("reading trace line {}", n + 1))?;
-        if line.trim().is_empty() {
-            continue;
-        }
-        out.push(serde_json::from_str(&line).with_context(|| format!("trace line {}", n + 1))?);
-    }
-    Ok(out)
+    crate::stream::read_jsonl(r, "trace")
 }
 
 /// Reads a trace file.
