@@ -6,6 +6,7 @@
 //! - [`hash`]: block identity: local, engine and prefix hashes, worker ids, token hashing.
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`index`]: the [`index::KvIndex`] trait and its backends (positional, radix, reference).
+//! - [`protocol`]: wire protocol v1 (msgpack): event batches, lookup requests and answers.
 //! - [`apply`]: the apply pool: one thread owns each worker's writes, queues are bounded.
 //! - [`trace`]: Mooncake trace reader and the mock engine that turns it into events.
 //! - [`stream`]: the JSONL replay stream format shared by benchmarks and tools.
@@ -43,6 +44,7 @@ pub mod apply;
 pub mod bench;
 pub mod hash;
 pub mod index;
+pub mod protocol;
 pub mod stream;
 pub mod trace;
 pub mod workers;
