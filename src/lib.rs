@@ -7,6 +7,9 @@
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`index`]: the [`index::KvIndex`] trait and its backends (positional, radix, reference).
 //! - [`protocol`]: wire protocol v1 (msgpack): event batches, lookup requests and answers.
+//! - [`service`]: `kvindex serve`: NATS ingest, lookups, resync, TTL, metrics over HTTP.
+//! - [`config`]: layered configuration (defaults, file, environment, flags).
+//! - [`metrics`]: the Prometheus metrics.
 //! - [`apply`]: the apply pool: one thread owns each worker's writes, queues are bounded.
 //! - [`trace`]: Mooncake trace reader and the mock engine that turns it into events.
 //! - [`stream`]: the JSONL replay stream format shared by benchmarks and tools.
@@ -42,9 +45,12 @@
 pub mod alloc;
 pub mod apply;
 pub mod bench;
+pub mod config;
 pub mod hash;
 pub mod index;
+pub mod metrics;
 pub mod protocol;
+pub mod service;
 pub mod stream;
 pub mod trace;
 pub mod workers;

@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kvindex::bench::{self, BenchConfig, Mode, Workload};
+use kvindex::config::{Config, Overrides};
 use kvindex::index::Backend;
 use kvindex::stream;
 use kvindex::trace::{self, MockConfig, MockEngine};
@@ -20,6 +21,8 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Run the daemon: ingest KV events from NATS, answer lookups, serve metrics.
+    Serve(ServeArgs),
     /// Replay a trace or stream against index backends and report throughput, latency, memory.
     Bench(BenchArgs),
     /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
@@ -100,6 +103,35 @@ struct BenchArgs {
     no_progress: bool,
 }
 
+/// Flags of `serve`; each overrides the config file and the `KVINDEX_*` environment.
+#[derive(Args)]
+struct ServeArgs {
+    /// Config file (default: config/kvindex.toml if present).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// NATS server(s) [KVINDEX_NATS_URL].
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Subject prefix, one per model or deployment [KVINDEX_PREFIX].
+    #[arg(long)]
+    prefix: Option<String>,
+    /// Address of /metrics, /healthz, /readyz [KVINDEX_METRICS_ADDR].
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// Apply threads, 0 for one per core less one [KVINDEX_APPLY_THREADS].
+    #[arg(long)]
+    apply_threads: Option<usize>,
+    /// Seconds of silence after which a worker is dropped, 0 for never [KVINDEX_WORKER_TTL].
+    #[arg(long)]
+    worker_ttl: Option<u64>,
+    /// Index backend [KVINDEX_BACKEND].
+    #[arg(long)]
+    backend: Option<Backend>,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    log_json: bool,
+}
+
 #[derive(Args)]
 struct GenArgs {
     #[command(flatten)]
@@ -110,14 +142,56 @@ struct GenArgs {
 }
 
 fn main() -> Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-        .with_writer(std::io::stderr)
-        .init();
-    match Cli::parse().cmd {
+    let cli = Cli::parse();
+    let json = matches!(&cli.cmd, Command::Serve(a) if a.log_json);
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if json {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
+    match cli.cmd {
+        Command::Serve(a) => serve_cmd(a),
         Command::Bench(a) => bench_cmd(a),
         Command::Gen(a) => gen_cmd(a),
     }
+}
+
+fn serve_cmd(a: ServeArgs) -> Result<()> {
+    let overrides = Overrides {
+        nats_url: a.nats_url,
+        prefix: a.prefix,
+        metrics_addr: a.metrics_addr,
+        apply_threads: a.apply_threads,
+        worker_ttl: a.worker_ttl,
+        backend: a.backend,
+    };
+    let cfg = Config::load(a.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kvindex").build()?;
+    rt.block_on(kvindex::service::serve(cfg, shutdown_signal()))
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM: {e}");
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {

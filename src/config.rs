@@ -1,0 +1,195 @@
+//! Configuration, layered (DESIGN §4): built-in defaults < `config/kvindex.toml` (or
+//! `--config FILE`) < `KVINDEX_*` environment < command-line flags.
+
+use crate::index::Backend;
+use figment::providers::{Env, Format, Serialized, Toml};
+use figment::Figment;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// Everything `kvindex serve` can be told. Every field has a default; `config/kvindex.toml`
+/// lists them all with comments.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// NATS server(s), comma-separated.
+    pub nats_url: String,
+    /// Subject prefix: one per model or deployment.
+    pub prefix: String,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub metrics_addr: String,
+    /// Apply threads (0: one per core, less one for NATS and lookups, at least one).
+    pub apply_threads: usize,
+    /// Batches queued per apply thread before ingest waits (backpressure).
+    pub queue_capacity: usize,
+    /// Seconds without a batch (events or heartbeat) after which a worker is dropped (0: never).
+    pub worker_ttl: u64,
+    /// Index backend.
+    pub backend: Backend,
+    /// Jump of the positional index's search.
+    pub jump: usize,
+    /// Deepest block position accepted.
+    pub max_depth: u32,
+    /// Most (worker, dp rank) pairs tracked at once.
+    pub max_workers: u32,
+    /// Seconds between resync requests to a worker that stays stale.
+    pub resync_interval: u64,
+    /// NATS credentials file (`.creds`).
+    pub nats_creds: Option<String>,
+    /// NATS user and password.
+    pub nats_user: Option<String>,
+    pub nats_password: Option<String>,
+    /// NATS token.
+    pub nats_token: Option<String>,
+    /// CA certificate (PEM) to verify the NATS server.
+    pub nats_tls_ca: Option<String>,
+    /// Client certificate and key (PEM) for mutual TLS.
+    pub nats_tls_cert: Option<String>,
+    pub nats_tls_key: Option<String>,
+    /// Require TLS.
+    pub nats_require_tls: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            nats_url: "nats://127.0.0.1:4222".into(),
+            prefix: "kv".into(),
+            metrics_addr: "0.0.0.0:9464".into(),
+            apply_threads: 0,
+            queue_capacity: 1024,
+            worker_ttl: 30,
+            backend: Backend::Positional,
+            jump: 64,
+            max_depth: 1 << 16,
+            max_workers: 1 << 16,
+            resync_interval: 5,
+            nats_creds: None,
+            nats_user: None,
+            nats_password: None,
+            nats_token: None,
+            nats_tls_ca: None,
+            nats_tls_cert: None,
+            nats_tls_key: None,
+            nats_require_tls: false,
+        }
+    }
+}
+
+/// Values given on the command line; `None` leaves the lower layers' value.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Overrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_url: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub apply_threads: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_ttl: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend: Option<Backend>,
+}
+
+impl Config {
+    /// Loads the layers. `file` is `--config`; without it `config/kvindex.toml` is read if
+    /// present. An error names the key and the reason.
+    pub fn load(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<Config, String> {
+        let mut fig = Figment::from(Serialized::defaults(Config::default()));
+        match file {
+            Some(f) if !f.exists() => return Err(format!("config file {} does not exist", f.display())),
+            Some(f) => fig = fig.merge(Toml::file(f)),
+            None => fig = fig.merge(Toml::file("config/kvindex.toml")),
+        }
+        let cfg: Config = fig
+            .merge(env)
+            .merge(Serialized::defaults(overrides))
+            .extract()
+            .map_err(|e| e.into_iter().map(|e| format!("configuration: {e}")).collect::<Vec<_>>().join("; "))?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The `KVINDEX_*` environment layer.
+    pub fn env() -> Env {
+        Env::prefixed("KVINDEX_")
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let bad = |key: &str, why: &str| Err(format!("configuration: {key}: {why}"));
+        if self.prefix.is_empty() || self.prefix.contains(['*', '>', ' ']) || self.prefix.ends_with('.') {
+            return bad("prefix", "must be a non-empty NATS subject without wildcards, spaces or a trailing dot");
+        }
+        if self.metrics_addr.parse::<std::net::SocketAddr>().is_err() {
+            return bad("metrics_addr", "must be host:port with an IP address, e.g. 0.0.0.0:9464");
+        }
+        if self.queue_capacity == 0 {
+            return bad("queue_capacity", "must be at least 1");
+        }
+        if self.jump == 0 {
+            return bad("jump", "must be at least 1");
+        }
+        if self.nats_tls_cert.is_some() != self.nats_tls_key.is_some() {
+            return bad("nats_tls_cert", "nats_tls_cert and nats_tls_key go together");
+        }
+        Ok(())
+    }
+
+    /// Apply threads to start.
+    pub fn apply_threads(&self) -> usize {
+        if self.apply_threads > 0 {
+            return self.apply_threads;
+        }
+        std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::result_large_err)] // figment::Jail's closures return figment::Error.
+mod tests {
+    use super::*;
+    use figment::Jail;
+
+    #[test]
+    fn layers_apply_in_order() {
+        Jail::expect_with(|jail| {
+            jail.create_file("k.toml", "prefix = \"from-file\"\nworker_ttl = 7\njump = 9\n")?;
+            jail.set_env("KVINDEX_PREFIX", "from-env");
+            jail.set_env("KVINDEX_JUMP", "11");
+            let over = Overrides { prefix: Some("from-flag".into()), ..Default::default() };
+            let cfg = Config::load(Some(Path::new("k.toml")), Config::env(), &over).map_err(figment::Error::from)?;
+            assert_eq!(cfg.prefix, "from-flag");
+            assert_eq!(cfg.jump, 11);
+            assert_eq!(cfg.worker_ttl, 7);
+            assert_eq!(cfg.nats_url, "nats://127.0.0.1:4222");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        Jail::expect_with(|jail| {
+            jail.create_file("bad.toml", "apply_threads = \"many\"\n")?;
+            let err = Config::load(Some(Path::new("bad.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            assert!(err.contains("apply_threads"), "{err}");
+            jail.create_file("typo.toml", "nats_ulr = \"x\"\n")?;
+            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            assert!(err.contains("nats_ulr"), "{err}");
+            jail.set_env("KVINDEX_METRICS_ADDR", "localhost");
+            let err = Config::load(None, Config::env(), &Overrides::default()).unwrap_err();
+            assert!(err.contains("metrics_addr"), "{err}");
+            let err = Config::load(Some(Path::new("missing.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            assert!(err.contains("does not exist"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn shipped_file_parses_and_matches_the_defaults() {
+        let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config/kvindex.toml"));
+        let cfg = Config::load(Some(path), Env::prefixed("KVINDEX_TEST_UNSET_"), &Overrides::default()).unwrap();
+        assert_eq!(cfg, Config::default());
+    }
+}

@@ -1,0 +1,141 @@
+//! Prometheus metrics and the health endpoints, served over HTTP on `metrics_addr`.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    TextEncoder,
+};
+
+/// Every metric the daemon exports; names follow Prometheus conventions.
+pub struct Metrics {
+    pub registry: Registry,
+    pub event_lag: Histogram,
+    pub events_applied: IntCounterVec,
+    pub blocks_applied: IntCounterVec,
+    pub batches_received: IntCounter,
+    pub decode_failures: IntCounterVec,
+    pub duplicate_events: IntCounter,
+    pub event_gaps: IntCounter,
+    pub unplaceable_blocks: IntCounter,
+    pub unknown_removes: IntCounter,
+    pub non_device_blocks: IntCounterVec,
+    pub resync_requests: IntCounterVec,
+    pub stale_workers: IntGauge,
+    pub epochs_changed: IntCounter,
+    pub workers_expired: IntCounter,
+    pub apply_queue_depth: IntGaugeVec,
+    pub lookups: IntCounterVec,
+    pub lookup_duration: HistogramVec,
+    pub index_placements: IntGauge,
+    pub index_entries: IntGauge,
+    pub index_workers: IntGauge,
+    pub nats_connected: IntGauge,
+    pub nats_events: IntCounterVec,
+}
+
+fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
+    r.register(Box::new(c.clone())).expect("unique metric");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    let g = IntGauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let lag_buckets =
+            vec![0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
+        let event_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvindex_event_lag_seconds",
+                "Time from a batch's publish timestamp (ts_ns) to its events being applied.",
+            )
+            .buckets(lag_buckets),
+        )
+        .expect("valid metric");
+        r.register(Box::new(event_lag.clone())).expect("unique metric");
+        let lookup_duration = HistogramVec::new(
+            HistogramOpts::new("kvindex_lookup_duration_seconds", "Time to answer a lookup, decode to reply.")
+                .buckets(vec![0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05]),
+            &["result"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(lookup_duration.clone())).expect("unique metric");
+        let apply_queue_depth =
+            IntGaugeVec::new(Opts::new("kvindex_apply_queue_depth", "Batches waiting per apply thread."), &["thread"])
+                .expect("valid metric");
+        r.register(Box::new(apply_queue_depth.clone())).expect("unique metric");
+        Metrics {
+            event_lag,
+            events_applied: counter_vec(&r, "kvindex_events_applied_total", "KV events applied, by kind.", &["kind"]),
+            blocks_applied: counter_vec(
+                &r,
+                "kvindex_blocks_applied_total",
+                "Blocks stored or removed in the index, by kind.",
+                &["kind"],
+            ),
+            batches_received: counter(&r, "kvindex_batches_received_total", "Event batches received (including heartbeats)."),
+            decode_failures: counter_vec(
+                &r,
+                "kvindex_decode_failures_total",
+                "Messages or events that could not be decoded or were rejected, by reason.",
+                &["reason"],
+            ),
+            duplicate_events: counter(&r, "kvindex_duplicate_events_total", "Events ignored as repeats of an applied event id."),
+            event_gaps: counter(&r, "kvindex_event_gaps_total", "Jumps in a worker's event ids (events lost)."),
+            unplaceable_blocks: counter(
+                &r,
+                "kvindex_unplaceable_blocks_total",
+                "Stored blocks whose parent the worker does not hold.",
+            ),
+            unknown_removes: counter(&r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
+            non_device_blocks: counter_vec(
+                &r,
+                "kvindex_non_device_blocks_total",
+                "Stored blocks on host or disk tiers (counted, not matched).",
+                &["tier"],
+            ),
+            resync_requests: counter_vec(&r, "kvindex_resync_requests_total", "Resync requests sent, by scope.", &["scope"]),
+            stale_workers: gauge(&r, "kvindex_stale_workers", "Workers whose state is being resynchronised."),
+            epochs_changed: counter(
+                &r,
+                "kvindex_epoch_changes_total",
+                "Publisher restarts seen (new epoch: the worker was cleared).",
+            ),
+            workers_expired: counter(&r, "kvindex_workers_expired_total", "Workers dropped after being silent past the TTL."),
+            apply_queue_depth,
+            lookups: counter_vec(&r, "kvindex_lookups_total", "Lookups answered, by result.", &["result"]),
+            lookup_duration,
+            index_placements: gauge(&r, "kvindex_index_blocks", "(worker, block) placements in the index."),
+            index_entries: gauge(&r, "kvindex_index_entries", "Distinct (position, prefix) entries in the index."),
+            index_workers: gauge(&r, "kvindex_index_workers", "Workers (worker id, dp rank) in the index."),
+            nats_connected: gauge(&r, "kvindex_nats_connected", "1 while connected to NATS."),
+            nats_events: counter_vec(&r, "kvindex_nats_events_total", "NATS connection events, by kind.", &["event"]),
+            registry: r,
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        // Encoding our own registry into a Vec cannot fail.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
