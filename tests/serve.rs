@@ -265,5 +265,26 @@ async fn metrics_health_and_shutdown() {
         assert!(value.parse::<f64>().is_ok(), "bad sample {line}");
     }
     assert_eq!(text.matches("# HELP kvindex_").count(), text.matches("# TYPE kvindex_").count());
+    // Prometheus' own linter, where it is installed (Debian: apt-get install prometheus).
+    match std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+    {
+        Ok(mut child) => {
+            use std::io::Write;
+            child.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+            let out = child.wait_with_output().unwrap();
+            assert!(
+                out.status.success(),
+                "promtool check metrics: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Err(_) => eprintln!("promtool not installed: /metrics checked by format only"),
+    }
     d.stop().await.unwrap();
 }
