@@ -228,8 +228,8 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
             pb.finish_and_clear();
             let placements = index.stats().placements;
             let counting = alloc::is_counting();
-            let held = alloc::live_bytes().saturating_sub(base);
-            let peak = alloc::peak_bytes().saturating_sub(base);
+            let held = (alloc::live_bytes() - base).max(0) as usize;
+            let peak = (alloc::peak_bytes() - base).max(0) as usize;
             if cfg.modes.contains(&Mode::Sequential) {
                 rows.push(BenchResult {
                     seconds: secs,

@@ -14,6 +14,7 @@
 //! - [`trace`]: Mooncake trace reader and the mock engine that turns it into events.
 //! - [`stream`]: the JSONL replay stream format shared by benchmarks and tools.
 //! - [`bench`]: `kvindex bench`, the trace-replay benchmark.
+//! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 //!
 //! The `kvindex` binary (`src/bin/kvindex.rs`) is a thin CLI over these modules.
@@ -46,6 +47,7 @@ pub mod alloc;
 pub mod apply;
 pub mod bench;
 pub mod config;
+pub mod e2e;
 pub mod hash;
 pub mod index;
 pub mod metrics;

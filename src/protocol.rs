@@ -8,7 +8,6 @@
 //! for publishers in languages without u64).
 
 use crate::hash::{local_hashes, BlockHash, LocalHash, StoredBlock};
-use rmpv::Value;
 use serde::{Deserialize, Serialize};
 
 /// Where a block is cached; only `Device` blocks take part in lookups.
@@ -102,84 +101,264 @@ impl DecodeError {
     }
 }
 
-/// A u64 from an unsigned or (two's complement) signed msgpack integer.
-fn as_u64(v: &Value) -> Option<u64> {
-    match v {
-        Value::Integer(i) => i.as_u64().or_else(|| i.as_i64().map(|x| x as u64)),
+/// A msgpack reader over a byte slice that allocates nothing: the ingest hot path reads
+/// every block of every batch through it. `None` means truncated or malformed input.
+struct Rd<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+/// A msgpack value's kind, as far as the decoder cares.
+enum Head<'a> {
+    Uint(u64),
+    Int(i64),
+    Nil,
+    Bool(bool),
+    Str(&'a [u8]),
+    Array(usize),
+    Map(usize),
+    Other,
+}
+
+impl<'a> Rd<'a> {
+    fn new(buf: &'a [u8]) -> Self {
+        Rd { buf, pos: 0 }
+    }
+
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.pos.checked_add(n)?;
+        let s = self.buf.get(self.pos..end)?;
+        self.pos = end;
+        Some(s)
+    }
+
+    fn be(&mut self, n: usize) -> Option<u64> {
+        Some(self.take(n)?.iter().fold(0u64, |acc, &b| (acc << 8) | b as u64))
+    }
+
+    /// Reads the head of the next value (and a string's bytes); containers' items follow.
+    fn head(&mut self) -> Option<Head<'a>> {
+        let m = *self.take(1)?.first()?;
+        Some(match m {
+            0x00..=0x7f => Head::Uint(m as u64),
+            0xe0..=0xff => Head::Int(m as i8 as i64),
+            0x80..=0x8f => Head::Map((m & 0x0f) as usize),
+            0x90..=0x9f => Head::Array((m & 0x0f) as usize),
+            0xa0..=0xbf => Head::Str(self.take((m & 0x1f) as usize)?),
+            0xc0 => Head::Nil,
+            0xc2 => Head::Bool(false),
+            0xc3 => Head::Bool(true),
+            0xcc => Head::Uint(self.be(1)?),
+            0xcd => Head::Uint(self.be(2)?),
+            0xce => Head::Uint(self.be(4)?),
+            0xcf => Head::Uint(self.be(8)?),
+            0xd0 => Head::Int(self.be(1)? as u8 as i8 as i64),
+            0xd1 => Head::Int(self.be(2)? as u16 as i16 as i64),
+            0xd2 => Head::Int(self.be(4)? as u32 as i32 as i64),
+            0xd3 => Head::Int(self.be(8)? as i64),
+            0xd9 => {
+                let n = self.be(1)? as usize;
+                Head::Str(self.take(n)?)
+            }
+            0xda => {
+                let n = self.be(2)? as usize;
+                Head::Str(self.take(n)?)
+            }
+            0xdb => {
+                let n = self.be(4)? as usize;
+                Head::Str(self.take(n)?)
+            }
+            0xdc => Head::Array(self.be(2)? as usize),
+            0xdd => Head::Array(self.be(4)? as usize),
+            0xde => Head::Map(self.be(2)? as usize),
+            0xdf => Head::Map(self.be(4)? as usize),
+            0xc4..=0xc6 => {
+                let n = self.be(1 << (m - 0xc4))? as usize;
+                self.take(n)?;
+                Head::Other
+            }
+            0xc7..=0xc9 => {
+                let n = self.be(1 << (m - 0xc7))? as usize;
+                self.take(n + 1)?;
+                Head::Other
+            }
+            0xca => {
+                self.take(4)?;
+                Head::Other
+            }
+            0xcb => {
+                self.take(8)?;
+                Head::Other
+            }
+            0xd4..=0xd8 => {
+                self.take(1 + (1 << (m - 0xd4)))?;
+                Head::Other
+            }
+            0xc1 => return None,
+        })
+    }
+
+    /// Skips one whole value, items included.
+    fn skip(&mut self) -> Option<()> {
+        let mut pending = 1usize;
+        while pending > 0 {
+            pending -= 1;
+            match self.head()? {
+                Head::Array(n) => pending = pending.checked_add(n)?,
+                Head::Map(n) => pending = pending.checked_add(n.checked_mul(2)?)?,
+                _ => {}
+            }
+        }
+        Some(())
+    }
+
+    /// The bytes of the next whole value.
+    fn value(&mut self) -> Option<&'a [u8]> {
+        let start = self.pos;
+        self.skip()?;
+        Some(&self.buf[start..self.pos])
+    }
+}
+
+/// A hash: an unsigned or (two's complement) signed 64-bit integer.
+fn hash(v: &[u8]) -> Option<u64> {
+    match Rd::new(v).head()? {
+        Head::Uint(u) => Some(u),
+        Head::Int(i) => Some(i as u64),
         _ => None,
     }
 }
 
-fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
-    map.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
-}
-
-fn hashes(v: &Value) -> Option<Vec<u64>> {
-    v.as_array()?.iter().map(as_u64).collect()
-}
-
-fn decode_block(v: &Value) -> Option<StoredBlock> {
-    let (b, t) = match v {
-        Value::Map(m) => (field(m, "block_hash")?, field(m, "tokens_hash")?),
-        Value::Array(a) if a.len() == 2 => (&a[0], &a[1]),
+/// Calls `f(key, value bytes)` for each entry of a map with string keys, or for each item of
+/// an array with `names[i]` as its key. `None` if `v` is neither or is malformed.
+fn fields<'a>(v: &'a [u8], names: &[&'static str], mut f: impl FnMut(&[u8], &'a [u8])) -> Option<()> {
+    let mut rd = Rd::new(v);
+    match rd.head()? {
+        Head::Map(n) => {
+            for _ in 0..n {
+                let key = match rd.head()? {
+                    Head::Str(k) => k,
+                    _ => {
+                        rd.skip()?;
+                        &[][..]
+                    }
+                };
+                let val = rd.value()?;
+                f(key, val);
+            }
+        }
+        Head::Array(n) => {
+            for i in 0..n {
+                let val = rd.value()?;
+                if let Some(name) = names.get(i) {
+                    f(name.as_bytes(), val);
+                }
+            }
+        }
         _ => return None,
-    };
-    Some(StoredBlock::new(as_u64(b)?, as_u64(t)?))
+    }
+    Some(())
 }
 
-fn decode_stored(v: &Value) -> Result<EventData, DecodeError> {
-    let (parent, blocks, tier) = match v {
-        Value::Map(m) => (field(m, "parent_hash"), field(m, "blocks"), field(m, "tier")),
-        Value::Array(a) => (a.first(), a.get(1), a.get(2)),
-        _ => return Err(DecodeError::BadStored),
-    };
+fn is_nil(v: &[u8]) -> bool {
+    v == [0xc0]
+}
+
+fn decode_blocks(v: &[u8]) -> Option<Vec<StoredBlock>> {
+    let mut rd = Rd::new(v);
+    let Head::Array(n) = rd.head()? else { return None };
+    let mut out = Vec::with_capacity(n.min(v.len()));
+    for _ in 0..n {
+        let (mut b, mut t) = (None, None);
+        fields(rd.value()?, &["block_hash", "tokens_hash"], |k, v| match k {
+            b"block_hash" => b = hash(v),
+            b"tokens_hash" => t = hash(v),
+            _ => {}
+        })?;
+        out.push(StoredBlock::new(b?, t?));
+    }
+    Some(out)
+}
+
+fn decode_stored(v: &[u8]) -> Result<EventData, DecodeError> {
+    let (mut parent, mut blocks, mut tier) = (None, None, None);
+    fields(v, &["parent_hash", "blocks", "tier"], |k, v| match k {
+        b"parent_hash" => parent = Some(v),
+        b"blocks" => blocks = Some(v),
+        b"tier" => tier = Some(v),
+        _ => {}
+    })
+    .ok_or(DecodeError::BadStored)?;
     let parent = match parent {
-        None | Some(Value::Nil) => None,
-        Some(p) => Some(BlockHash(as_u64(p).ok_or(DecodeError::BadStored)?)),
+        None => None,
+        Some(p) if is_nil(p) => None,
+        Some(p) => Some(BlockHash(hash(p).ok_or(DecodeError::BadStored)?)),
     };
-    let blocks = blocks
-        .and_then(Value::as_array)
-        .and_then(|a| a.iter().map(decode_block).collect::<Option<Vec<_>>>())
-        .ok_or(DecodeError::BadStored)?;
+    let blocks = blocks.and_then(decode_blocks).ok_or(DecodeError::BadStored)?;
     let tier = match tier {
-        None | Some(Value::Nil) => Tier::Device,
-        Some(t) => match t.as_str() {
-            Some("device") => Tier::Device,
-            Some("host") => Tier::Host,
-            Some("disk") => Tier::Disk,
+        None => Tier::Device,
+        Some(t) if is_nil(t) => Tier::Device,
+        Some(t) => match Rd::new(t).head() {
+            Some(Head::Str(b"device")) => Tier::Device,
+            Some(Head::Str(b"host")) => Tier::Host,
+            Some(Head::Str(b"disk")) => Tier::Disk,
             _ => return Err(DecodeError::BadTier),
         },
     };
     Ok(EventData::Stored { parent, blocks, tier })
 }
 
-fn decode_removed(v: &Value) -> Result<EventData, DecodeError> {
-    let list = match v {
-        Value::Map(m) => field(m, "block_hashes"),
-        Value::Array(a) => a.first(),
-        _ => None,
-    };
-    let hashes = list.and_then(hashes).ok_or(DecodeError::BadRemoved)?;
-    Ok(EventData::Removed { hashes: hashes.into_iter().map(BlockHash).collect() })
+fn decode_removed(v: &[u8]) -> Result<EventData, DecodeError> {
+    let mut list = None;
+    fields(v, &["block_hashes"], |k, v| {
+        if k == b"block_hashes" {
+            list = Some(v);
+        }
+    })
+    .ok_or(DecodeError::BadRemoved)?;
+    let hashes = (|| {
+        let mut rd = Rd::new(list?);
+        let Head::Array(n) = rd.head()? else { return None };
+        (0..n).map(|_| hash(rd.value()?).map(BlockHash)).collect::<Option<Vec<_>>>()
+    })()
+    .ok_or(DecodeError::BadRemoved)?;
+    Ok(EventData::Removed { hashes })
 }
 
-/// Decodes one event: `{event_id, data}` or `[event_id, data]`.
-pub fn decode_event(v: &Value) -> Result<KvEvent, DecodeError> {
-    let (id, data) = match v {
-        Value::Map(m) => (field(m, "event_id"), field(m, "data")),
-        Value::Array(a) if a.len() == 2 => (a.first(), a.get(1)),
+/// Decodes one event, `{event_id, data}` or `[event_id, data]`, from its bytes.
+pub fn decode_event(v: &[u8]) -> Result<KvEvent, DecodeError> {
+    let (mut id, mut data) = (None, None);
+    let mut rd = Rd::new(v);
+    match rd.head() {
+        Some(Head::Map(_)) => {}
+        Some(Head::Array(2)) => {}
         _ => return Err(DecodeError::BadEvent),
+    }
+    fields(v, &["event_id", "data"], |k, v| match k {
+        b"event_id" => id = Some(v),
+        b"data" => data = Some(v),
+        _ => {}
+    })
+    .ok_or(DecodeError::BadEvent)?;
+    let event_id = match id.and_then(|i| Rd::new(i).head()) {
+        Some(Head::Uint(u)) => u,
+        _ => return Err(DecodeError::BadEventId),
     };
-    let event_id = id.and_then(|i| i.as_u64()).ok_or(DecodeError::BadEventId)?;
-    let data = match data.ok_or(DecodeError::BadEvent)? {
-        Value::String(s) if s.as_str() == Some("cleared") => EventData::Cleared,
-        Value::Map(m) if m.len() == 1 => match m[0].0.as_str() {
-            Some("stored") => decode_stored(&m[0].1)?,
-            Some("removed") => decode_removed(&m[0].1)?,
-            Some("cleared") => EventData::Cleared,
-            _ => return Err(DecodeError::UnknownKind),
-        },
-        Value::String(_) | Value::Map(_) => return Err(DecodeError::UnknownKind),
+    let data = data.ok_or(DecodeError::BadEvent)?;
+    let mut rd = Rd::new(data);
+    let data = match rd.head() {
+        Some(Head::Str(b"cleared")) => EventData::Cleared,
+        Some(Head::Map(1)) => {
+            let kind = rd.head();
+            let body = rd.value().ok_or(DecodeError::BadEvent)?;
+            match kind {
+                Some(Head::Str(b"stored")) => decode_stored(body)?,
+                Some(Head::Str(b"removed")) => decode_removed(body)?,
+                Some(Head::Str(b"cleared")) => EventData::Cleared,
+                _ => return Err(DecodeError::UnknownKind),
+            }
+        }
+        Some(Head::Str(_)) | Some(Head::Map(_)) => return Err(DecodeError::UnknownKind),
         _ => return Err(DecodeError::BadEvent),
     };
     Ok(KvEvent { event_id, data })
@@ -188,86 +367,126 @@ pub fn decode_event(v: &Value) -> Result<KvEvent, DecodeError> {
 /// Decodes a batch (map, or the array `[worker_id, dp_rank, epoch, ts_ns, snapshot, events,
 /// snapshot_end]` with trailing fields optional). Errors only if the envelope is unusable.
 pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
-    let v = rmpv::decode::read_value(&mut &bytes[..]).map_err(|_| DecodeError::NotMsgpack)?;
-    let get = |key: &str, idx: usize| -> Option<&Value> {
-        match &v {
-            Value::Map(m) => field(m, key),
-            Value::Array(a) => a.get(idx),
-            _ => None,
+    let mut whole = Rd::new(bytes);
+    let top = whole.value().ok_or(DecodeError::NotMsgpack)?;
+    let mut b =
+        EventBatch { worker_id: 0, dp_rank: 0, epoch: 0, ts_ns: 0, snapshot: false, snapshot_end: false, events: Vec::new() };
+    let (mut worker, mut events, mut bad) = (None, None, false);
+    let uint = |v: &[u8], bad: &mut bool| match Rd::new(v).head() {
+        Some(Head::Uint(u)) => u,
+        Some(Head::Nil) => 0,
+        _ => {
+            *bad = true;
+            0
         }
     };
-    if !matches!(v, Value::Map(_) | Value::Array(_)) {
+    let flag = |v: &[u8], bad: &mut bool| match Rd::new(v).head() {
+        Some(Head::Bool(x)) => x,
+        Some(Head::Nil) => false,
+        _ => {
+            *bad = true;
+            false
+        }
+    };
+    let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end"];
+    fields(top, &names, |k, v| match k {
+        b"worker_id" => worker = hash(v),
+        b"dp_rank" => match u32::try_from(uint(v, &mut bad)) {
+            Ok(r) => b.dp_rank = r,
+            Err(_) => bad = true,
+        },
+        b"epoch" => b.epoch = uint(v, &mut bad),
+        b"ts_ns" => b.ts_ns = uint(v, &mut bad),
+        b"snapshot" => b.snapshot = flag(v, &mut bad),
+        b"snapshot_end" => b.snapshot_end = flag(v, &mut bad),
+        b"events" => events = Some(v),
+        _ => {}
+    })
+    .ok_or(DecodeError::BadBatch)?;
+    b.worker_id = worker.ok_or(DecodeError::BadBatch)?;
+    if bad {
         return Err(DecodeError::BadBatch);
     }
-    let worker_id = get("worker_id", 0).and_then(as_u64).ok_or(DecodeError::BadBatch)?;
-    let uint = |key: &str, idx: usize| -> Result<u64, DecodeError> {
-        match get(key, idx) {
-            None | Some(Value::Nil) => Ok(0),
-            Some(x) => x.as_u64().ok_or(DecodeError::BadBatch),
+    if let Some(ev) = events.filter(|e| !is_nil(e)) {
+        let mut rd = Rd::new(ev);
+        let Some(Head::Array(n)) = rd.head() else { return Err(DecodeError::BadBatch) };
+        b.events.reserve(n.min(ev.len()));
+        for _ in 0..n {
+            b.events.push(decode_event(rd.value().ok_or(DecodeError::NotMsgpack)?));
         }
-    };
-    let flag = |key: &str, idx: usize| -> Result<bool, DecodeError> {
-        match get(key, idx) {
-            None | Some(Value::Nil) => Ok(false),
-            Some(x) => x.as_bool().ok_or(DecodeError::BadBatch),
+    }
+    Ok(b)
+}
+
+/// Writes one event (map form).
+pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
+    use rmp::encode::{write_array_len, write_map_len, write_nil, write_str, write_uint};
+    // Writing to a Vec cannot fail: the results below are all Ok.
+    let _ = write_map_len(out, 2);
+    let _ = write_str(out, "event_id");
+    let _ = write_uint(out, e.event_id);
+    let _ = write_str(out, "data");
+    match &e.data {
+        EventData::Stored { parent, blocks, tier } => {
+            let _ = write_map_len(out, 1);
+            let _ = write_str(out, "stored");
+            let _ = write_map_len(out, 3);
+            let _ = write_str(out, "parent_hash");
+            match parent {
+                Some(p) => {
+                    let _ = write_uint(out, p.0);
+                }
+                None => {
+                    let _ = write_nil(out);
+                }
+            }
+            let _ = write_str(out, "blocks");
+            let _ = write_array_len(out, blocks.len() as u32);
+            for b in blocks {
+                let _ = write_map_len(out, 2);
+                let _ = write_str(out, "block_hash");
+                let _ = write_uint(out, b.block_hash.0);
+                let _ = write_str(out, "tokens_hash");
+                let _ = write_uint(out, b.tokens_hash.0);
+            }
+            let _ = write_str(out, "tier");
+            let _ = write_str(out, tier.as_str());
         }
-    };
-    let dp_rank = u32::try_from(uint("dp_rank", 1)?).map_err(|_| DecodeError::BadBatch)?;
-    let events = match get("events", 5) {
-        None | Some(Value::Nil) => Vec::new(),
-        Some(Value::Array(a)) => a.iter().map(decode_event).collect(),
-        Some(_) => return Err(DecodeError::BadBatch),
-    };
-    Ok(EventBatch {
-        worker_id,
-        dp_rank,
-        epoch: uint("epoch", 2)?,
-        ts_ns: uint("ts_ns", 3)?,
-        snapshot: flag("snapshot", 4)?,
-        snapshot_end: flag("snapshot_end", 6)?,
-        events,
-    })
+        EventData::Removed { hashes } => {
+            let _ = write_map_len(out, 1);
+            let _ = write_str(out, "removed");
+            let _ = write_map_len(out, 1);
+            let _ = write_str(out, "block_hashes");
+            let _ = write_array_len(out, hashes.len() as u32);
+            for h in hashes {
+                let _ = write_uint(out, h.0);
+            }
+        }
+        EventData::Cleared => {
+            let _ = write_str(out, "cleared");
+        }
+    }
 }
 
-fn block_value(b: &StoredBlock) -> Value {
-    Value::Map(vec![("block_hash".into(), b.block_hash.0.into()), ("tokens_hash".into(), b.tokens_hash.0.into())])
-}
-
-/// Encodes one event (map form), for publishers and tests.
-pub fn event_value(e: &KvEvent) -> Value {
-    let data = match &e.data {
-        EventData::Stored { parent, blocks, tier } => Value::Map(vec![(
-            "stored".into(),
-            Value::Map(vec![
-                ("parent_hash".into(), parent.map_or(Value::Nil, |p| p.0.into())),
-                ("blocks".into(), Value::Array(blocks.iter().map(block_value).collect())),
-                ("tier".into(), tier.as_str().into()),
-            ]),
-        )]),
-        EventData::Removed { hashes } => Value::Map(vec![(
-            "removed".into(),
-            Value::Map(vec![("block_hashes".into(), Value::Array(hashes.iter().map(|h| h.0.into()).collect()))]),
-        )]),
-        EventData::Cleared => "cleared".into(),
-    };
-    Value::Map(vec![("event_id".into(), e.event_id.into()), ("data".into(), data)])
-}
-
-/// Encodes a batch (map form) from its envelope and events.
+/// Encodes a batch (map form); events that are errors are left out.
 pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
-    let events = b.events.iter().filter_map(|e| e.as_ref().ok()).map(event_value).collect();
-    let v = Value::Map(vec![
-        ("worker_id".into(), b.worker_id.into()),
-        ("dp_rank".into(), b.dp_rank.into()),
-        ("epoch".into(), b.epoch.into()),
-        ("ts_ns".into(), b.ts_ns.into()),
-        ("snapshot".into(), b.snapshot.into()),
-        ("snapshot_end".into(), b.snapshot_end.into()),
-        ("events".into(), Value::Array(events)),
-    ]);
-    let mut out = Vec::new();
-    // Writing to a Vec cannot fail.
-    let _ = rmpv::encode::write_value(&mut out, &v);
+    use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
+    let events: Vec<&KvEvent> = b.events.iter().filter_map(|e| e.as_ref().ok()).collect();
+    let mut out = Vec::with_capacity(64 + events.len() * 64);
+    let _ = write_map_len(&mut out, 7);
+    for (k, v) in [("worker_id", b.worker_id), ("dp_rank", b.dp_rank as u64), ("epoch", b.epoch), ("ts_ns", b.ts_ns)] {
+        let _ = write_str(&mut out, k);
+        let _ = write_uint(&mut out, v);
+    }
+    for (k, v) in [("snapshot", b.snapshot), ("snapshot_end", b.snapshot_end)] {
+        let _ = write_str(&mut out, k);
+        let _ = write_bool(&mut out, v);
+    }
+    let _ = write_str(&mut out, "events");
+    let _ = write_array_len(&mut out, events.len() as u32);
+    for e in events {
+        write_event(&mut out, e);
+    }
     out
 }
 
@@ -346,6 +565,18 @@ impl LookupResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use rmpv::Value;
+
+    fn field<'a>(map: &'a [(Value, Value)], key: &str) -> Option<&'a Value> {
+        map.iter().find(|(k, _)| k.as_str() == Some(key)).map(|(_, v)| v)
+    }
+
+    fn event_value(e: &KvEvent) -> Value {
+        let mut buf = Vec::new();
+        write_event(&mut buf, e);
+        rmpv::decode::read_value(&mut &buf[..]).unwrap()
+    }
 
     fn enc(v: Value) -> Vec<u8> {
         let mut out = Vec::new();
@@ -492,5 +723,33 @@ mod tests {
         let err = LookupResponse::Error { error: "nope".into() };
         let v = rmpv::decode::read_value(&mut &err.encode()[..]).unwrap();
         assert_eq!(field(v.as_map().unwrap(), "error").unwrap().as_str(), Some("nope"));
+    }
+
+    proptest::proptest! {
+        /// Whatever arrives, decoding returns; and every valid batch survives a round trip.
+        #[test]
+        fn never_panics_and_round_trips(
+            ids in proptest::collection::vec((proptest::prelude::any::<u64>(), proptest::prelude::any::<u64>()), 0..20),
+            cut in 0usize..400,
+            flip in proptest::prelude::any::<(usize, u8)>(),
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            let events = ids.iter().enumerate().map(|(i, &(b, t))| Ok(match i % 3 {
+                0 => stored(i as u64, (i > 0).then_some(b ^ 1), &[(b, t), (t, b)]),
+                1 => KvEvent { event_id: i as u64, data: EventData::Removed { hashes: vec![BlockHash(b)] } },
+                _ => KvEvent { event_id: i as u64, data: EventData::Cleared },
+            })).collect();
+            let batch = EventBatch { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, events };
+            let bytes = encode_batch(&batch);
+            proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);
+            let _ = decode_batch(&bytes[..cut.min(bytes.len())]);
+            let mut bent = bytes.clone();
+            if !bent.is_empty() {
+                let i = flip.0 % bent.len();
+                bent[i] ^= flip.1;
+            }
+            let _ = decode_batch(&bent);
+            let _ = decode_batch(&noise);
+        }
     }
 }

@@ -175,9 +175,14 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         .with_context(|| format!("binding metrics_addr {}", cfg.metrics_addr))?;
     let (nats_tx, nats_rx) = mpsc::unbounded_channel();
     let client = connect(&cfg, nats_tx).await?;
+    // Lookups get a connection of their own, so a reply never queues behind event batches.
+    let (lookup_events, _ignored) = mpsc::unbounded_channel();
+    let lookup_client = connect(&cfg, lookup_events).await?;
     let mut events = client.subscribe(format!("{}*", events_prefix(&cfg))).await.context("subscribing to events")?;
-    let mut lookups =
-        client.queue_subscribe(format!("{}.lookup", cfg.prefix), "kvindex".into()).await.context("subscribing to lookups")?;
+    let lookups = lookup_client
+        .queue_subscribe(format!("{}.lookup", cfg.prefix), "kvindex".into())
+        .await
+        .context("subscribing to lookups")?;
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
@@ -194,8 +199,9 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         tokio::spawn(ttl_loop(state.clone(), pool.clone())),
         tokio::spawn(http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
+    let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
+    let lookup_task = tokio::spawn(serve_lookups(lookup_client.clone(), lookups, state.clone(), index.clone(), stopped));
 
-    let mut in_flight = tokio::task::JoinSet::new();
     tokio::pin!(shutdown);
     loop {
         tokio::select! {
@@ -204,6 +210,37 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
                 Some(msg) => ingest(&state, &pool, msg.subject.as_str(), &msg.payload),
                 None => break,
             },
+        }
+    }
+
+    tracing::info!("shutting down: applying queued events, answering lookups in flight");
+    let _ = events.unsubscribe().await;
+    let _ = stop_lookups.send(true);
+    let _ = lookup_task.await;
+    let flushing = pool.clone();
+    let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
+    let _ = client.flush().await;
+    let _ = lookup_client.flush().await;
+    for task in background {
+        task.abort();
+    }
+    tracing::info!("kvindex stopped");
+    Ok(())
+}
+
+/// Answers lookups, each in its own task on the runtime's threads, until told to stop; then
+/// stops taking new ones and finishes those in flight.
+async fn serve_lookups<I: KvIndex>(
+    client: Client,
+    mut lookups: async_nats::Subscriber,
+    state: Arc<State>,
+    index: Arc<I>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut in_flight = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
             msg = lookups.next() => match msg {
                 Some(msg) => {
                     let (client, state, index) = (client.clone(), state.clone(), index.clone());
@@ -214,19 +251,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
             Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
         }
     }
-
-    tracing::info!("shutting down: applying queued events, answering lookups in flight");
-    let _ = events.unsubscribe().await;
     let _ = lookups.unsubscribe().await;
     while in_flight.join_next().await.is_some() {}
-    let flushing = pool.clone();
-    let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
-    let _ = client.flush().await;
-    for task in background {
-        task.abort();
-    }
-    tracing::info!("kvindex stopped");
-    Ok(())
 }
 
 /// Applies one message from `{prefix}.events.{worker_id}`.

@@ -25,6 +25,8 @@ enum Command {
     Serve(ServeArgs),
     /// Replay a trace or stream against index backends and report throughput, latency, memory.
     Bench(BenchArgs),
+    /// Run NATS, the daemon, mock engines and a router together; report throughput and latency.
+    E2e(E2eArgs),
     /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
     Gen(GenArgs),
 }
@@ -133,6 +135,27 @@ struct ServeArgs {
 }
 
 #[derive(Args)]
+struct E2eArgs {
+    #[command(flatten)]
+    source: Source,
+    /// Use this NATS server instead of starting nats-server on a free loopback port.
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Offered event rates in blocks/s, one run each; 0 = as fast as possible.
+    #[arg(long, value_delimiter = ',', default_value = "0")]
+    rates: Vec<f64>,
+    /// Lookups per second issued while events flow.
+    #[arg(long, default_value_t = 5000.0)]
+    lookup_rate: f64,
+    /// Apply threads of the daemon.
+    #[arg(long, default_value_t = 1)]
+    apply_threads: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct GenArgs {
     #[command(flatten)]
     source: Source,
@@ -154,8 +177,38 @@ fn main() -> Result<()> {
     match cli.cmd {
         Command::Serve(a) => serve_cmd(a),
         Command::Bench(a) => bench_cmd(a),
+        Command::E2e(a) => e2e_cmd(a),
         Command::Gen(a) => gen_cmd(a),
     }
+}
+
+fn e2e_cmd(a: E2eArgs) -> Result<()> {
+    let wl = a.source.load()?;
+    eprintln!(
+        "workload: {} event blocks ({} stored + {} removed), {} lookups to cycle through",
+        wl.stored_blocks + wl.removed_blocks,
+        wl.stored_blocks,
+        wl.removed_blocks,
+        wl.lookups
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut rows = Vec::new();
+    for rate in a.rates {
+        let cfg = kvindex::e2e::E2eConfig {
+            nats_url: a.nats_url.clone(),
+            rate,
+            lookup_rate: a.lookup_rate,
+            apply_threads: a.apply_threads,
+            progress: !a.json,
+        };
+        rows.push(rt.block_on(kvindex::e2e::run(&wl, &cfg))?);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rows)?);
+    } else {
+        print!("{}", kvindex::e2e::table(&rows));
+    }
+    Ok(())
 }
 
 fn serve_cmd(a: ServeArgs) -> Result<()> {
@@ -195,6 +248,7 @@ async fn shutdown_signal() {
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
+    kvindex::alloc::enable();
     let wl = a.source.load()?;
     eprintln!(
         "workload: {} ops, {} lookups; blocks: {} lookup + {} stored + {} removed = {} block ops",

