@@ -179,10 +179,15 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     let (lookup_events, _ignored) = mpsc::unbounded_channel();
     let lookup_client = connect(&cfg, lookup_events).await?;
     let mut events = client.subscribe(format!("{}*", events_prefix(&cfg))).await.context("subscribing to events")?;
-    let lookups = lookup_client
-        .queue_subscribe(format!("{}.lookup", cfg.prefix), "kvindex".into())
-        .await
-        .context("subscribing to lookups")?;
+    // One queue subscriber per core: NATS spreads lookups over them, each answers in turn.
+    let mut lookups = Vec::new();
+    for _ in 0..std::thread::available_parallelism().map_or(2, |n| n.get()) {
+        let sub = lookup_client
+            .queue_subscribe(format!("{}.lookup", cfg.prefix), "kvindex".into())
+            .await
+            .context("subscribing to lookups")?;
+        lookups.push(sub);
+    }
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
@@ -200,7 +205,10 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         tokio::spawn(http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
-    let lookup_task = tokio::spawn(serve_lookups(lookup_client.clone(), lookups, state.clone(), index.clone(), stopped));
+    let lookup_tasks: Vec<_> = lookups
+        .into_iter()
+        .map(|sub| tokio::spawn(serve_lookups(lookup_client.clone(), sub, state.clone(), index.clone(), stopped.clone())))
+        .collect();
 
     tokio::pin!(shutdown);
     loop {
@@ -216,7 +224,9 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     tracing::info!("shutting down: applying queued events, answering lookups in flight");
     let _ = events.unsubscribe().await;
     let _ = stop_lookups.send(true);
-    let _ = lookup_task.await;
+    for task in lookup_tasks {
+        let _ = task.await;
+    }
     let flushing = pool.clone();
     let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
     let _ = client.flush().await;
@@ -228,8 +238,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     Ok(())
 }
 
-/// Answers lookups, each in its own task on the runtime's threads, until told to stop; then
-/// stops taking new ones and finishes those in flight.
+/// Answers the lookups of one queue subscriber until told to stop; then takes no new ones.
+/// The answer in progress is finished before the task returns.
 async fn serve_lookups<I: KvIndex>(
     client: Client,
     mut lookups: async_nats::Subscriber,
@@ -237,22 +247,16 @@ async fn serve_lookups<I: KvIndex>(
     index: Arc<I>,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
-    let mut in_flight = tokio::task::JoinSet::new();
     loop {
         tokio::select! {
             _ = stop.changed() => break,
             msg = lookups.next() => match msg {
-                Some(msg) => {
-                    let (client, state, index) = (client.clone(), state.clone(), index.clone());
-                    in_flight.spawn(async move { answer(&client, &state, &*index, msg).await });
-                }
+                Some(msg) => answer(&client, &state, &*index, msg).await,
                 None => break,
             },
-            Some(_) = in_flight.join_next(), if !in_flight.is_empty() => {}
         }
     }
     let _ = lookups.unsubscribe().await;
-    while in_flight.join_next().await.is_some() {}
 }
 
 /// Applies one message from `{prefix}.events.{worker_id}`.

@@ -52,6 +52,9 @@ struct Source {
     /// Mock engine: seed of the worker choice.
     #[arg(long, default_value_t = 42)]
     seed: u64,
+    /// Use only the trace's first N requests.
+    #[arg(long)]
+    requests: Option<usize>,
 }
 
 impl Source {
@@ -64,7 +67,8 @@ impl Source {
             let f = std::fs::File::open(path).with_context(|| format!("opening stream {}", path.display()))?;
             return Ok(Workload::new(stream::read_stream(std::io::BufReader::new(f))?, None));
         }
-        let trace = trace::read_trace_file(&self.trace)?;
+        let mut trace = trace::read_trace_file(&self.trace)?;
+        trace.truncate(self.requests.unwrap_or(usize::MAX));
         Ok(Workload::from_timed(MockEngine::run(self.mock(), &trace)))
     }
 }
@@ -142,7 +146,7 @@ struct E2eArgs {
     #[arg(long)]
     nats_url: Option<String>,
     /// Offered event rates in blocks/s, one run each; 0 = as fast as possible.
-    #[arg(long, value_delimiter = ',', default_value = "0")]
+    #[arg(long, value_delimiter = ',', default_value = "0,1500000")]
     rates: Vec<f64>,
     /// Lookups per second issued while events flow.
     #[arg(long, default_value_t = 5000.0)]
