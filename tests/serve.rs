@@ -288,3 +288,34 @@ async fn metrics_health_and_shutdown() {
     }
     d.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn survives_a_nats_restart_and_asks_everyone_to_resync() {
+    let nats = NatsServer::start();
+    let port = nats.port;
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    drop(nats);
+    assert!(
+        eventually(10, || async { (d.http_get("/readyz").await.map(|r| r.0) == Some(503)).then_some(()) }).await.is_some(),
+        "/readyz turns 503 while NATS is down"
+    );
+    let _nats = NatsServer::start_on(port);
+    let c = async_nats::connect(format!("nats://127.0.0.1:{port}")).await.unwrap();
+    // The daemon reconnects by itself, says so, and asks every publisher for its state
+    // (a second broadcast, after the one at start).
+    assert!(
+        eventually(20, || async { (d.http_get("/readyz").await.map(|r| r.0) == Some(200)).then_some(()) }).await.is_some(),
+        "ready again after NATS returns"
+    );
+    assert!(
+        eventually(10, || async { (d.metric("kvindex_resync_requests_total{scope=\"all\"}").await == 2.0).then_some(()) })
+            .await
+            .is_some(),
+        "resync broadcast after the reconnect"
+    );
+    assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
+    assert_eq!(d.metric("kvindex_nats_connected").await, 1.0);
+    publish(&c, 1, &batch(1, 1, vec![stored(0, None, &chain(10, &[1, 2]))])).await;
+    expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(1, 2, false)]).await;
+    d.stop().await.unwrap();
+}
