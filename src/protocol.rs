@@ -418,7 +418,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
     Ok(b)
 }
 
-/// Writes one event (map form).
+/// Writes one event: maps, with each block in the positional form `[block_hash, tokens_hash]`.
 pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
     use rmp::encode::{write_array_len, write_map_len, write_nil, write_str, write_uint};
     // Writing to a Vec cannot fail: the results below are all Ok.
@@ -442,11 +442,10 @@ pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
             }
             let _ = write_str(out, "blocks");
             let _ = write_array_len(out, blocks.len() as u32);
+            // Blocks in the positional form [block_hash, tokens_hash]: half the bytes of a map.
             for b in blocks {
-                let _ = write_map_len(out, 2);
-                let _ = write_str(out, "block_hash");
+                let _ = write_array_len(out, 2);
                 let _ = write_uint(out, b.block_hash.0);
-                let _ = write_str(out, "tokens_hash");
                 let _ = write_uint(out, b.tokens_hash.0);
             }
             let _ = write_str(out, "tier");
@@ -468,7 +467,7 @@ pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
     }
 }
 
-/// Encodes a batch (map form); events that are errors are left out.
+/// Encodes a batch (map form, blocks as pairs); events that are errors are left out.
 pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
     use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
     let events: Vec<&KvEvent> = b.events.iter().filter_map(|e| e.as_ref().ok()).collect();
