@@ -193,22 +193,31 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let lookup_errors = Arc::new(AtomicU64::new(0));
     // The router has its own connection, as a real router would.
     let router_client = async_nats::connect(&url).await.context("router connecting to NATS")?;
+    // Paced by an OS thread (tokio's timer ticks in milliseconds, which would send lookups in
+    // bursts); each request runs as a task on the runtime.
     let router = {
         let (client, done, rtt, errors, queries, subject) =
             (router_client, done.clone(), rtt.clone(), lookup_errors.clone(), queries.clone(), format!("{prefix}.lookup"));
         let every = Duration::from_secs_f64(1.0 / cfg.lookup_rate.max(1.0));
-        tokio::spawn(async move {
+        let handle = tokio::runtime::Handle::current();
+        std::thread::spawn(move || {
             let limit = Arc::new(tokio::sync::Semaphore::new(512));
-            let start = tokio::time::Instant::now();
-            let mut i = 0u64;
+            let start = Instant::now();
+            let mut i = 0u32;
             while !done.load(Ordering::Relaxed) && !queries.is_empty() {
-                tokio::time::sleep_until(start + every * i as u32).await;
-                let Ok(permit) = limit.clone().acquire_owned().await else { break };
+                if let Some(wait) = (start + every * i).checked_duration_since(Instant::now()) {
+                    std::thread::sleep(wait);
+                }
+                let Ok(permit) = limit.clone().try_acquire_owned() else {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                    i += 1;
+                    continue;
+                };
                 let q = &queries[i as usize % queries.len()];
                 let req = LookupRequest { block_hashes: Some(q.clone()), ..Default::default() };
                 let payload = rmp_serde::to_vec_named(&req).unwrap_or_default();
                 let (client, rtt, errors, subject) = (client.clone(), rtt.clone(), errors.clone(), subject.clone());
-                tokio::spawn(async move {
+                handle.spawn(async move {
                     let t = Instant::now();
                     match client.request(subject, payload.into()).await {
                         Ok(_) => {
@@ -255,7 +264,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let seconds = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
     done.store(true, Ordering::Relaxed);
-    let _ = router.await;
+    let _ = tokio::task::spawn_blocking(move || router.join()).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     let _ = stop_tx.send(());
     daemon.await.context("daemon task")??;
