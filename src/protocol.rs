@@ -52,6 +52,20 @@ pub struct KvEvent {
     pub data: EventData,
 }
 
+impl KvEvent {
+    /// A device-tier `stored` event of `(block_hash, tokens_hash)` pairs under `parent`.
+    pub fn stored(event_id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> Self {
+        KvEvent {
+            event_id,
+            data: EventData::Stored {
+                parent: parent.map(BlockHash),
+                blocks: blocks.iter().map(|&(b, t)| StoredBlock::new(b, t)).collect(),
+                tier: Tier::Device,
+            },
+        }
+    }
+}
+
 /// A decoded batch: the envelope, and each event or the reason it could not be decoded.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EventBatch {
@@ -584,14 +598,7 @@ mod tests {
     }
 
     fn stored(id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvEvent {
-        KvEvent {
-            event_id: id,
-            data: EventData::Stored {
-                parent: parent.map(BlockHash),
-                blocks: blocks.iter().map(|&(b, t)| StoredBlock::new(b, t)).collect(),
-                tier: Tier::Device,
-            },
-        }
+        KvEvent::stored(id, parent, blocks)
     }
 
     #[test]

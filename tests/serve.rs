@@ -3,7 +3,7 @@
 
 mod support;
 
-use kvindex::hash::{local_hashes, BlockHash, StoredBlock};
+use kvindex::hash::{local_hashes, StoredBlock};
 use kvindex::protocol::{encode_batch, EventBatch, EventData, KvEvent, LookupRequest, LookupResponse, MatchEntry, Tier};
 use support::{eventually, Daemon, NatsServer};
 
@@ -21,14 +21,7 @@ fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
 }
 
 fn stored(id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvEvent {
-    KvEvent {
-        event_id: id,
-        data: EventData::Stored {
-            parent: parent.map(BlockHash),
-            blocks: blocks.iter().map(|&(b, t)| StoredBlock::new(b, t)).collect(),
-            tier: Tier::Device,
-        },
-    }
+    KvEvent::stored(id, parent, blocks)
 }
 
 fn chain(base: u64, locals: &[u64]) -> Vec<(u64, u64)> {

