@@ -96,7 +96,12 @@ fn events_prefix(cfg: &Config) -> String {
 
 /// Runs the service until `shutdown` resolves; then stops taking events, applies what is
 /// queued, answers the lookups in flight and returns.
+///
+/// Needs a multi-threaded tokio runtime: a full apply queue makes ingest wait in place.
 pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
+        anyhow::bail!("kvindex serve needs a multi-threaded tokio runtime");
+    }
     match cfg.backend {
         Backend::Positional => {
             let idx =
