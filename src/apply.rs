@@ -21,6 +21,17 @@ pub enum WorkerEvent {
     Cleared,
 }
 
+impl WorkerEvent {
+    /// Applies this event to `index` through the worker's writer.
+    pub fn apply_to<I: KvIndex>(&self, index: &I, w: &mut I::Writer) -> ApplyOutcome {
+        match self {
+            WorkerEvent::Stored { parent, blocks } => index.store(w, *parent, blocks),
+            WorkerEvent::Removed { hashes } => index.remove(w, hashes),
+            WorkerEvent::Cleared => index.clear(w),
+        }
+    }
+}
+
 /// Called on the apply thread after each batch: the worker, what the batch did, its tag.
 pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64) + Send + Sync>;
 
@@ -169,12 +180,7 @@ fn apply_loop<I: KvIndex>(
                 };
                 let mut out = ApplyOutcome::default();
                 for ev in &events {
-                    let o = match ev {
-                        WorkerEvent::Stored { parent, blocks } => index.store(w, *parent, blocks),
-                        WorkerEvent::Removed { hashes } => index.remove(w, hashes),
-                        WorkerEvent::Cleared => index.clear(w),
-                    };
-                    out.add(&o);
+                    out.add(&ev.apply_to(index, w));
                 }
                 total.lock().add(&out);
                 stats.batches.fetch_add(1, Ordering::Relaxed);

@@ -180,11 +180,7 @@ fn apply_event<I: KvIndex>(index: &I, writers: &mut FxHashMap<WorkerId, I::Write
             Err(_) => return,
         },
     };
-    match ev {
-        WorkerEvent::Stored { parent, blocks } => index.store(w, *parent, blocks),
-        WorkerEvent::Removed { hashes } => index.remove(w, hashes),
-        WorkerEvent::Cleared => index.clear(w),
-    };
+    ev.apply_to(index, w);
 }
 
 struct RunAll<'a> {

@@ -1,6 +1,7 @@
 //! Configuration, layered (DESIGN §4): built-in defaults < `config/kvindex.toml` (or
 //! `--config FILE`) < `KVINDEX_*` environment < command-line flags.
 
+use crate::index::positional::PositionalConfig;
 use crate::index::Backend;
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
@@ -52,6 +53,7 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
+        let index = PositionalConfig::default();
         Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             prefix: "kv".into(),
@@ -60,9 +62,9 @@ impl Default for Config {
             queue_capacity: 1024,
             worker_ttl: 30,
             backend: Backend::Positional,
-            jump: 64,
-            max_depth: 1 << 16,
-            max_workers: 1 << 16,
+            jump: index.jump,
+            max_depth: index.max_depth,
+            max_workers: index.max_workers,
             resync_interval: 5,
             nats_creds: None,
             nats_user: None,

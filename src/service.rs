@@ -56,6 +56,8 @@ impl RateLimitedLog {
 /// State shared by the service's tasks and the apply threads.
 struct State {
     cfg: Config,
+    /// `{prefix}.events.`, the part of an events subject before the worker id.
+    events_prefix: String,
     metrics: Arc<Metrics>,
     cursors: Mutex<HashMap<WorkerId, Cursor>>,
     /// Stale workers and when a resync was last requested for each.
@@ -153,6 +155,7 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         resync_tx,
         log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },
         connected: AtomicBool::new(false),
+        events_prefix: events_prefix(&cfg),
         cfg: cfg.clone(),
     });
     let hook: OnApplied = {
@@ -183,7 +186,7 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     // Lookups get a connection of their own, so a reply never queues behind event batches.
     let (lookup_events, _ignored) = mpsc::unbounded_channel();
     let lookup_client = connect(&cfg, lookup_events).await?;
-    let mut events = client.subscribe(format!("{}*", events_prefix(&cfg))).await.context("subscribing to events")?;
+    let mut events = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
     // One queue subscriber per core: NATS spreads lookups over them, each answers in turn.
     let mut lookups = Vec::new();
     for _ in 0..std::thread::available_parallelism().map_or(2, |n| n.get()) {
@@ -267,7 +270,7 @@ async fn serve_lookups<I: KvIndex>(
 /// Applies one message from `{prefix}.events.{worker_id}`.
 fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
     let m = &state.metrics;
-    let Some(subject_id) = subject.strip_prefix(&events_prefix(&state.cfg)).and_then(|s| s.parse::<u64>().ok()) else {
+    let Some(subject_id) = subject.strip_prefix(state.events_prefix.as_str()).and_then(|s| s.parse::<u64>().ok()) else {
         state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id"));
         return;
     };
@@ -372,9 +375,10 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
     let start = Instant::now();
     let (resp, result) = match LookupRequest::decode(&msg.payload) {
         Ok(req) => {
-            let opts = MatchOptions { workers: req.workers.clone(), max_blocks: req.max_blocks.map(|m| m as usize) };
+            let query = req.local_hashes();
+            let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
             let matches = index
-                .find_matches(&req.local_hashes(), &opts)
+                .find_matches(&query, &opts)
                 .into_iter()
                 .map(|m| MatchEntry {
                     worker_id: m.worker.worker_id,

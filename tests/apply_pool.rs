@@ -26,11 +26,7 @@ fn sequential_reference(wl: &Workload) -> ReferenceIndex {
     for op in &wl.ops {
         if let Op::Event(w, ev) = op {
             let wr = writers.entry(*w).or_insert_with(|| index.writer(*w).unwrap());
-            match ev {
-                WorkerEvent::Stored { parent, blocks } => index.store(wr, *parent, blocks),
-                WorkerEvent::Removed { hashes } => index.remove(wr, hashes),
-                WorkerEvent::Cleared => index.clear(wr),
-            };
+            ev.apply_to(&index, wr);
         }
     }
     index

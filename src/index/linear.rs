@@ -243,6 +243,7 @@ impl<V: Copy + Default> LinearMap<V> {
     }
 
     /// Heap bytes held.
+    #[cfg(test)]
     pub fn heap_bytes(&self) -> usize {
         self.slots.capacity() * std::mem::size_of::<Slot<V>>()
     }

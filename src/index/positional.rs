@@ -610,25 +610,3 @@ impl KvIndex for PositionalIndex {
         }
     }
 }
-
-impl PositionalIndex {
-    #[doc(hidden)]
-    pub fn debug_heap(&self) -> (usize, usize, usize) {
-        let (mut bytes, mut entries, mut levels) = (0, 0, 0);
-        for c in self.chunks.iter().filter_map(|c| c.get()) {
-            for l in c.levels.read().iter() {
-                bytes += l.table.heap_bytes();
-                entries += l.table.len();
-                levels += 1;
-            }
-        }
-        (bytes, entries, levels)
-    }
-}
-
-impl PositionalWriter {
-    #[doc(hidden)]
-    pub fn debug_heap(&self) -> usize {
-        self.blocks.heap_bytes()
-    }
-}
