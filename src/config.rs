@@ -33,8 +33,15 @@ pub struct Config {
     pub max_depth: u32,
     /// Most (worker, dp rank) pairs tracked at once.
     pub max_workers: u32,
-    /// Seconds between resync requests to a worker that stays stale.
+    /// Seconds before a stale worker that has not resynced is asked again; the wait doubles
+    /// with each unanswered request, up to `resync_max_interval`.
     pub resync_interval: u64,
+    pub resync_max_interval: u64,
+    /// After a broadcast resync (start, NATS reconnect), `/readyz` waits for the publishers'
+    /// snapshots: until none has been open or begun for `ready_settle_ms`, or at most
+    /// `ready_timeout` seconds.
+    pub ready_settle_ms: u64,
+    pub ready_timeout: u64,
     /// NATS credentials file (`.creds`).
     pub nats_creds: Option<String>,
     /// NATS user and password.
@@ -65,7 +72,10 @@ impl Default for Config {
             jump: index.jump,
             max_depth: index.max_depth,
             max_workers: index.max_workers,
-            resync_interval: 5,
+            resync_interval: 1,
+            resync_max_interval: 30,
+            ready_settle_ms: 500,
+            ready_timeout: 10,
             nats_creds: None,
             nats_user: None,
             nats_password: None,
@@ -132,6 +142,9 @@ impl Config {
         }
         if self.jump == 0 {
             return bad("jump", "must be at least 1");
+        }
+        if self.resync_interval == 0 || self.resync_max_interval < self.resync_interval {
+            return bad("resync_interval", "must be at least 1 and at most resync_max_interval");
         }
         if self.nats_tls_cert.is_some() != self.nats_tls_key.is_some() {
             return bad("nats_tls_cert", "nats_tls_cert and nats_tls_key go together");

@@ -7,6 +7,7 @@
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`index`]: the [`index::KvIndex`] trait and its backends (positional, radix, reference).
 //! - [`protocol`]: wire protocol v1 (msgpack): event batches, lookup requests and answers.
+//! - [`publisher`]: the engine side: block set, batching, heartbeats, snapshots on resync.
 //! - [`service`]: `kvindex serve`: NATS ingest, lookups, resync, TTL, metrics over HTTP.
 //! - [`config`]: layered configuration (defaults, file, environment, flags).
 //! - [`metrics`]: the Prometheus metrics.
@@ -52,6 +53,7 @@ pub mod hash;
 pub mod index;
 pub mod metrics;
 pub mod protocol;
+pub mod publisher;
 pub mod service;
 pub mod stream;
 pub mod trace;

@@ -19,6 +19,11 @@ pub struct Metrics {
     pub unknown_removes: IntCounter,
     pub non_device_blocks: IntCounterVec,
     pub resync_requests: IntCounterVec,
+    pub resync_unanswered: IntCounter,
+    pub snapshots: IntCounterVec,
+    pub midstream_workers: IntCounter,
+    pub ready: IntGauge,
+    pub rebuild_seconds: prometheus::Gauge,
     pub stale_workers: IntGauge,
     pub epochs_changed: IntCounter,
     pub workers_expired: IntCounter,
@@ -106,6 +111,32 @@ impl Metrics {
                 &["tier"],
             ),
             resync_requests: counter_vec(&r, "kvindex_resync_requests_total", "Resync requests sent, by scope.", &["scope"]),
+            resync_unanswered: counter(
+                &r,
+                "kvindex_resync_unanswered_total",
+                "Per-worker resync requests that got no answer in time (no publisher, or it is busy).",
+            ),
+            snapshots: counter_vec(
+                &r,
+                "kvindex_snapshots_total",
+                "Snapshot batches that began a snapshot, ended one complete, or ended one with a gap.",
+                &["result"],
+            ),
+            midstream_workers: counter(
+                &r,
+                "kvindex_midstream_workers_total",
+                "Workers first heard mid-sequence (daemon restart, TTL expiry, new epoch): stale until their snapshot.",
+            ),
+            ready: gauge(&r, "kvindex_ready", "1 when connected and rebuilt after the last broadcast resync (/readyz)."),
+            rebuild_seconds: {
+                let g = prometheus::Gauge::new(
+                    "kvindex_rebuild_seconds",
+                    "Time from the last broadcast resync to ready: how long the last rebuild took.",
+                )
+                .expect("valid metric");
+                r.register(Box::new(g.clone())).expect("unique metric");
+                g
+            },
             stale_workers: gauge(&r, "kvindex_stale_workers", "Workers whose state is being resynchronised."),
             epochs_changed: counter(
                 &r,

@@ -434,69 +434,111 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
 
 /// Writes one event: maps, with each block in the positional form `[block_hash, tokens_hash]`.
 pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
-    use rmp::encode::{write_array_len, write_map_len, write_nil, write_str, write_uint};
-    // Writing to a Vec cannot fail: the results below are all Ok.
+    match &e.data {
+        EventData::Stored { parent, blocks, tier } => write_stored(out, e.event_id, *parent, blocks, *tier),
+        EventData::Removed { hashes } => write_removed(out, e.event_id, hashes),
+        EventData::Cleared => write_cleared(out, e.event_id),
+    }
+}
+
+fn write_event_head(out: &mut Vec<u8>, event_id: u64) {
+    use rmp::encode::{write_map_len, write_str, write_uint};
+    // Writing to a Vec cannot fail: the results here and below are all Ok.
     let _ = write_map_len(out, 2);
     let _ = write_str(out, "event_id");
-    let _ = write_uint(out, e.event_id);
+    let _ = write_uint(out, event_id);
     let _ = write_str(out, "data");
-    match &e.data {
-        EventData::Stored { parent, blocks, tier } => {
-            let _ = write_map_len(out, 1);
-            let _ = write_str(out, "stored");
-            let _ = write_map_len(out, 3);
-            let _ = write_str(out, "parent_hash");
-            match parent {
-                Some(p) => {
-                    let _ = write_uint(out, p.0);
-                }
-                None => {
-                    let _ = write_nil(out);
-                }
-            }
-            let _ = write_str(out, "blocks");
-            let _ = write_array_len(out, blocks.len() as u32);
-            // Blocks in the positional form [block_hash, tokens_hash]: half the bytes of a map.
-            for b in blocks {
-                let _ = write_array_len(out, 2);
-                let _ = write_uint(out, b.block_hash.0);
-                let _ = write_uint(out, b.tokens_hash.0);
-            }
-            let _ = write_str(out, "tier");
-            let _ = write_str(out, tier.as_str());
+}
+
+/// Writes a `stored` event without building a [`KvEvent`].
+pub fn write_stored(out: &mut Vec<u8>, event_id: u64, parent: Option<BlockHash>, blocks: &[StoredBlock], tier: Tier) {
+    use rmp::encode::{write_array_len, write_map_len, write_nil, write_str, write_uint};
+    write_event_head(out, event_id);
+    let _ = write_map_len(out, 1);
+    let _ = write_str(out, "stored");
+    let _ = write_map_len(out, 3);
+    let _ = write_str(out, "parent_hash");
+    match parent {
+        Some(p) => {
+            let _ = write_uint(out, p.0);
         }
-        EventData::Removed { hashes } => {
-            let _ = write_map_len(out, 1);
-            let _ = write_str(out, "removed");
-            let _ = write_map_len(out, 1);
-            let _ = write_str(out, "block_hashes");
-            let _ = write_array_len(out, hashes.len() as u32);
-            for h in hashes {
-                let _ = write_uint(out, h.0);
-            }
-        }
-        EventData::Cleared => {
-            let _ = write_str(out, "cleared");
+        None => {
+            let _ = write_nil(out);
         }
     }
+    let _ = write_str(out, "blocks");
+    let _ = write_array_len(out, blocks.len() as u32);
+    // Blocks in the positional form [block_hash, tokens_hash]: half the bytes of a map.
+    for b in blocks {
+        let _ = write_array_len(out, 2);
+        let _ = write_uint(out, b.block_hash.0);
+        let _ = write_uint(out, b.tokens_hash.0);
+    }
+    let _ = write_str(out, "tier");
+    let _ = write_str(out, tier.as_str());
+}
+
+/// Writes a `removed` event.
+pub fn write_removed(out: &mut Vec<u8>, event_id: u64, hashes: &[BlockHash]) {
+    use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
+    write_event_head(out, event_id);
+    let _ = write_map_len(out, 1);
+    let _ = write_str(out, "removed");
+    let _ = write_map_len(out, 1);
+    let _ = write_str(out, "block_hashes");
+    let _ = write_array_len(out, hashes.len() as u32);
+    for h in hashes {
+        let _ = write_uint(out, h.0);
+    }
+}
+
+/// Writes a `cleared` event.
+pub fn write_cleared(out: &mut Vec<u8>, event_id: u64) {
+    write_event_head(out, event_id);
+    let _ = rmp::encode::write_str(out, "cleared");
+}
+
+/// The envelope of a batch: everything but its events.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BatchHeader {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub epoch: u64,
+    pub ts_ns: u64,
+    pub snapshot: bool,
+    pub snapshot_end: bool,
+}
+
+/// Writes a batch's envelope, up to and including the length of its `events` list; the
+/// caller appends `events` events written with [`write_event`].
+pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
+    use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
+    let _ = write_map_len(out, 7);
+    for (k, v) in [("worker_id", h.worker_id), ("dp_rank", h.dp_rank as u64), ("epoch", h.epoch), ("ts_ns", h.ts_ns)] {
+        let _ = write_str(out, k);
+        let _ = write_uint(out, v);
+    }
+    for (k, v) in [("snapshot", h.snapshot), ("snapshot_end", h.snapshot_end)] {
+        let _ = write_str(out, k);
+        let _ = write_bool(out, v);
+    }
+    let _ = write_str(out, "events");
+    let _ = write_array_len(out, events);
 }
 
 /// Encodes a batch (map form, blocks as pairs); events that are errors are left out.
 pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
-    use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
     let events: Vec<&KvEvent> = b.events.iter().filter_map(|e| e.as_ref().ok()).collect();
     let mut out = Vec::with_capacity(64 + events.len() * 64);
-    let _ = write_map_len(&mut out, 7);
-    for (k, v) in [("worker_id", b.worker_id), ("dp_rank", b.dp_rank as u64), ("epoch", b.epoch), ("ts_ns", b.ts_ns)] {
-        let _ = write_str(&mut out, k);
-        let _ = write_uint(&mut out, v);
-    }
-    for (k, v) in [("snapshot", b.snapshot), ("snapshot_end", b.snapshot_end)] {
-        let _ = write_str(&mut out, k);
-        let _ = write_bool(&mut out, v);
-    }
-    let _ = write_str(&mut out, "events");
-    let _ = write_array_len(&mut out, events.len() as u32);
+    let header = BatchHeader {
+        worker_id: b.worker_id,
+        dp_rank: b.dp_rank,
+        epoch: b.epoch,
+        ts_ns: b.ts_ns,
+        snapshot: b.snapshot,
+        snapshot_end: b.snapshot_end,
+    };
+    write_batch_header(&mut out, &header, events.len() as u32);
     for e in events {
         write_event(&mut out, e);
     }
@@ -571,6 +613,40 @@ pub enum LookupResponse {
 impl LookupResponse {
     pub fn encode(&self) -> Vec<u8> {
         // Serialising these plain structs to a Vec cannot fail.
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+}
+
+/// kvindex's request on `{prefix}.resync.{worker_id}`: send this rank's whole block set.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncRequest {
+    pub worker_id: u64,
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
+impl ResyncRequest {
+    pub fn encode(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// `None` for a payload that is not a request (publishers then answer anyway).
+    pub fn decode(bytes: &[u8]) -> Option<Self> {
+        rmp_serde::from_slice(bytes).ok()
+    }
+}
+
+/// A publisher's reply to a [`ResyncRequest`]: its snapshot of `blocks` blocks is on its way.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncAck {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub epoch: u64,
+    pub blocks: u64,
+}
+
+impl ResyncAck {
+    pub fn encode(&self) -> Vec<u8> {
         rmp_serde::to_vec_named(self).unwrap_or_default()
     }
 }

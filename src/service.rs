@@ -9,13 +9,13 @@ use crate::index::positional::{PositionalConfig, PositionalIndex};
 use crate::index::radix::RadixIndex;
 use crate::index::{Backend, KvIndex, MatchOptions};
 use crate::metrics::Metrics;
-use crate::protocol::{decode_batch, EventData, LookupRequest, LookupResponse, MatchEntry, Tier};
+use crate::protocol::{decode_batch, EventData, LookupRequest, LookupResponse, MatchEntry, ResyncRequest, Tier};
 use anyhow::Context;
 use async_nats::{Client, ConnectOptions, Event};
 use dashmap::DashMap;
 use futures::StreamExt;
 use parking_lot::Mutex;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -30,6 +30,25 @@ struct Cursor {
     last_seen: Instant,
     /// A snapshot opened with `cleared` and has had no gap since.
     snapshot_clean: bool,
+}
+
+/// Resync requests to one stale worker: when the last went out and how many have.
+#[derive(Clone, Copy, Default)]
+struct Resync {
+    asked: Option<Instant>,
+    attempts: u32,
+}
+
+/// Whether the index has been rebuilt since the last broadcast resync.
+struct Readiness {
+    broadcast_at: Instant,
+    /// Snapshots begun (opening `cleared`) and not yet ended.
+    open: HashSet<WorkerId>,
+    /// Snapshots ended since the broadcast.
+    completed: u64,
+    /// When a snapshot last began or ended.
+    last_activity: Instant,
+    ready: bool,
 }
 
 /// Logs a warning at most once per interval per key, counting what it held back.
@@ -60,11 +79,14 @@ struct State {
     events_prefix: String,
     metrics: Arc<Metrics>,
     cursors: Mutex<HashMap<WorkerId, Cursor>>,
-    /// Stale workers and when a resync was last requested for each.
-    stale: Arc<DashMap<WorkerId, Option<Instant>>>,
+    /// Stale workers and the resync requests sent to each.
+    stale: Arc<DashMap<WorkerId, Resync>>,
     resync_tx: mpsc::UnboundedSender<WorkerId>,
     log: RateLimitedLog,
     connected: AtomicBool,
+    readiness: Mutex<Readiness>,
+    /// Connected and rebuilt: what `/readyz` says.
+    ready: AtomicBool,
 }
 
 impl State {
@@ -74,7 +96,7 @@ impl State {
     }
 
     fn mark_stale(&self, w: WorkerId) {
-        if self.stale.insert(w, None).is_none() {
+        if self.stale.insert(w, Resync::default()).is_none() {
             self.metrics.stale_workers.inc();
         }
         let _ = self.resync_tx.send(w);
@@ -84,6 +106,63 @@ impl State {
         if self.stale.remove(&w).is_some() {
             self.metrics.stale_workers.dec();
         }
+    }
+}
+
+impl State {
+    /// A broadcast resync went out: not ready until the publishers' snapshots are in.
+    fn begin_rebuild(&self) {
+        let mut r = self.readiness.lock();
+        let now = Instant::now();
+        *r = Readiness { broadcast_at: now, open: HashSet::new(), completed: 0, last_activity: now, ready: false };
+        self.ready.store(false, Ordering::Relaxed);
+        self.metrics.ready.set(0);
+    }
+
+    fn snapshot_progress(&self, w: WorkerId, opened: bool, ended: bool) {
+        let mut r = self.readiness.lock();
+        r.last_activity = Instant::now();
+        if opened {
+            r.open.insert(w);
+        }
+        if ended {
+            r.open.remove(&w);
+            r.completed += 1;
+        }
+    }
+
+    /// Re-evaluates readiness; logs and records the rebuild when it completes.
+    fn check_ready(&self) {
+        let connected = self.connected.load(Ordering::Relaxed);
+        let mut r = self.readiness.lock();
+        if !r.ready {
+            let now = Instant::now();
+            let settle = Duration::from_millis(self.cfg.ready_settle_ms);
+            let quiet = r.open.is_empty() && now.duration_since(r.last_activity.max(r.broadcast_at)) >= settle;
+            let timed_out = now.duration_since(r.broadcast_at) >= Duration::from_secs(self.cfg.ready_timeout);
+            if connected && (quiet || timed_out) {
+                r.ready = true;
+                let took = now.duration_since(r.broadcast_at).as_secs_f64();
+                self.metrics.rebuild_seconds.set(took);
+                if quiet {
+                    tracing::info!(
+                        snapshots = r.completed,
+                        seconds = took,
+                        "ready: index rebuilt from the publishers' snapshots"
+                    );
+                } else {
+                    tracing::warn!(
+                        snapshots = r.completed,
+                        still_open = r.open.len(),
+                        seconds = took,
+                        "ready after ready_timeout with snapshots still open; those workers stay stale until they finish"
+                    );
+                }
+            }
+        }
+        let ready = connected && r.ready;
+        self.ready.store(ready, Ordering::Relaxed);
+        self.metrics.ready.set(ready as i64);
     }
 }
 
@@ -155,6 +234,14 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         resync_tx,
         log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },
         connected: AtomicBool::new(false),
+        readiness: Mutex::new(Readiness {
+            broadcast_at: Instant::now(),
+            open: HashSet::new(),
+            completed: 0,
+            last_activity: Instant::now(),
+            ready: false,
+        }),
+        ready: AtomicBool::new(false),
         events_prefix: events_prefix(&cfg),
         cfg: cfg.clone(),
     });
@@ -204,12 +291,13 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         apply_threads = cfg.apply_threads(), "kvindex serving"
     );
     // A restarted daemon rebuilds its index from the publishers.
-    broadcast_resync(&client, &cfg, &metrics).await;
+    broadcast_resync(&client, &state).await;
 
     let background = [
         tokio::spawn(nats_events(client.clone(), state.clone(), nats_rx)),
         tokio::spawn(resync_loop(client.clone(), state.clone(), resync_rx)),
         tokio::spawn(ttl_loop(state.clone(), pool.clone())),
+        tokio::spawn(readiness_loop(state.clone())),
         tokio::spawn(http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
@@ -306,7 +394,12 @@ fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload
         out.push(WorkerEvent::Cleared);
         state.clear_stale(w);
     }
+    // Nothing is known of this worker's sequence (first heard from, new epoch, expired): unless
+    // it starts at event 0 or with a snapshot, events came before that this index never saw.
+    let mut unknown_history = c.next_id.is_none();
+    let mut midstream = false;
     let mut gap = false;
+    let mut opened = false;
     for ev in batch.events {
         let ev = match ev {
             Ok(ev) => ev,
@@ -316,6 +409,10 @@ fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload
             }
         };
         let opens_snapshot = batch.snapshot && ev.data == EventData::Cleared;
+        if unknown_history {
+            unknown_history = false;
+            midstream = ev.event_id != 0 && !opens_snapshot;
+        }
         match c.next_id {
             Some(n) if ev.event_id < n => {
                 m.duplicate_events.inc();
@@ -332,6 +429,7 @@ fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload
         c.next_id = Some(ev.event_id + 1);
         if opens_snapshot {
             c.snapshot_clean = true;
+            opened = true;
         }
         match ev.data {
             EventData::Stored { tier, blocks, .. } if tier != Tier::Device => {
@@ -351,13 +449,31 @@ fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload
             }
         }
     }
+    // A heartbeat tells nothing of the sequence either.
+    midstream |= unknown_history;
     let snapshot_done = batch.snapshot && batch.snapshot_end && c.snapshot_clean && !gap;
     if batch.snapshot_end {
         c.snapshot_clean = false;
     }
     drop(cursors);
+    if batch.snapshot && (opened || batch.snapshot_end) {
+        state.snapshot_progress(w, opened, batch.snapshot_end);
+        m.snapshots
+            .with_label_values(&[if snapshot_done {
+                "complete"
+            } else if batch.snapshot_end {
+                "gap"
+            } else {
+                "begun"
+            }])
+            .inc();
+    }
     if gap {
         state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
+        state.mark_stale(w);
+    } else if midstream {
+        m.midstream_workers.inc();
+        state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
         state.mark_stale(w);
     } else if snapshot_done {
         state.clear_stale(w);
@@ -403,9 +519,11 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
     state.metrics.lookup_duration.with_label_values(&[result]).observe(start.elapsed().as_secs_f64());
 }
 
-async fn broadcast_resync(client: &Client, cfg: &Config, metrics: &Metrics) {
-    match client.publish(format!("{}.resync", cfg.prefix), bytes::Bytes::new()).await {
-        Ok(()) => metrics.resync_requests.with_label_values(&["all"]).inc(),
+/// Asks every publisher for its block set; `/readyz` waits for their snapshots.
+async fn broadcast_resync(client: &Client, state: &State) {
+    state.begin_rebuild();
+    match client.publish(format!("{}.resync", state.cfg.prefix), bytes::Bytes::new()).await {
+        Ok(()) => state.metrics.resync_requests.with_label_values(&["all"]).inc(),
         Err(e) => tracing::warn!("could not broadcast a resync request: {e}"),
     }
 }
@@ -434,7 +552,7 @@ async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedR
                 m.nats_connected.set(1);
                 if reconnect {
                     // Events published while we were away are lost: ask every publisher for its state.
-                    broadcast_resync(&client, &state.cfg, m).await;
+                    broadcast_resync(&client, &state).await;
                 }
                 reconnect = true;
             }
@@ -448,34 +566,56 @@ async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedR
     }
 }
 
-/// Asks stale workers to resync: at once when they turn stale, then every `resync_interval`
-/// while they stay stale.
+/// Asks stale workers to resync: at once when they turn stale (unless a broadcast has just
+/// asked everyone), again after `resync_interval` if still stale, the wait doubling up to
+/// `resync_max_interval`.
 async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedReceiver<WorkerId>) {
-    let every = Duration::from_secs(state.cfg.resync_interval.max(1));
-    let mut tick = tokio::time::interval(every);
+    let base = Duration::from_secs(state.cfg.resync_interval);
+    let max = Duration::from_secs(state.cfg.resync_max_interval);
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         let due: Vec<WorkerId> = tokio::select! {
             w = rx.recv() => match w { Some(w) => vec![w], None => return },
             _ = tick.tick() => state.stale.iter().map(|e| *e.key()).collect(),
         };
+        let now = Instant::now();
+        if now.duration_since(state.readiness.lock().broadcast_at) < base {
+            // The broadcast's snapshots are on their way.
+            continue;
+        }
         for w in due {
-            let now = Instant::now();
-            let Some(mut last) = state.stale.get_mut(&w) else { continue };
-            if last.is_some_and(|t| now.duration_since(t) < every) {
+            let Some(mut r) = state.stale.get_mut(&w) else { continue };
+            let wait = base.saturating_mul(1 << r.attempts.saturating_sub(1).min(16)).min(max);
+            if r.asked.is_some_and(|t| now.duration_since(t) < wait) {
                 continue;
             }
-            *last = Some(now);
-            drop(last);
+            r.asked = Some(now);
+            r.attempts += 1;
+            let attempt = r.attempts;
+            drop(r);
             state.metrics.resync_requests.with_label_values(&["worker"]).inc();
-            let payload = rmp_serde::to_vec_named(&w).unwrap_or_default();
+            let payload = ResyncRequest { worker_id: w.worker_id, dp_rank: w.dp_rank }.encode();
             let subject = format!("{}.resync.{}", state.cfg.prefix, w.worker_id);
-            let client = client.clone();
+            let (client, state) = (client.clone(), state.clone());
             tokio::spawn(async move {
-                if let Err(e) = tokio::time::timeout(Duration::from_secs(5), client.request(subject, payload.into())).await {
-                    tracing::debug!("resync request to {w} unanswered: {e}");
+                let answer = tokio::time::timeout(Duration::from_secs(2), client.request(subject, payload.into())).await;
+                if !matches!(answer, Ok(Ok(_))) {
+                    state.metrics.resync_unanswered.inc();
+                    state.log.warn("resync_unanswered", || {
+                        format!("worker {w} did not answer resync request {attempt}; asking again with backoff")
+                    });
                 }
             });
         }
+    }
+}
+
+/// Keeps `/readyz` and `kvindex_ready` current.
+async fn readiness_loop(state: Arc<State>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        state.check_ready();
     }
 }
 
@@ -539,12 +679,13 @@ async fn http_server<I: KvIndex>(listener: tokio::net::TcpListener, state: Arc<S
         .route(
             "/readyz",
             get(move || {
-                let ready = state.connected.load(Ordering::Relaxed);
+                let ready = state.ready.load(Ordering::Relaxed);
+                let connected = state.connected.load(Ordering::Relaxed);
                 async move {
-                    if ready {
-                        (StatusCode::OK, "ready\n")
-                    } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n")
+                    match (ready, connected) {
+                        (true, _) => (StatusCode::OK, "ready\n"),
+                        (false, false) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n"),
+                        (false, true) => (StatusCode::SERVICE_UNAVAILABLE, "rebuilding the index from publishers' snapshots\n"),
                     }
                 }
             }),

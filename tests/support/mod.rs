@@ -40,6 +40,7 @@ impl Daemon {
             metrics_addr: format!("127.0.0.1:{}", free_port()),
             apply_threads: 2,
             resync_interval: 1,
+            ready_settle_ms: 100,
             ..Config::default()
         };
         tune(&mut cfg);
@@ -105,3 +106,4 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+pub mod engine;

@@ -1,0 +1,492 @@
+//! The publisher: the piece that runs beside an inference engine (DESIGN §3). The engine
+//! reports what it stored, removed or cleared; the publisher keeps the worker's current block
+//! set, numbers events under a fresh epoch per process, batches them (size and linger bounds),
+//! sends heartbeats when idle, and answers kvindex's resync requests with a snapshot of the
+//! block set in chunks under the NATS payload limit. While NATS is away, batches wait in a
+//! bounded queue; the overflow is dropped and counted, and the gap it leaves is healed by the
+//! resync that kvindex asks for (or broadcasts after its own reconnect).
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use kvindex::hash::{BlockHash, StoredBlock};
+//! use kvindex::publisher::{Publisher, PublisherConfig};
+//!
+//! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
+//! let publisher = Publisher::start(client, PublisherConfig::new("kv", 7, 0)).await?;
+//! // The engine cached two blocks of a new request, then evicted the second.
+//! publisher.stored(None, &[StoredBlock::new(100, 0xa1), StoredBlock::new(101, 0xb2)]);
+//! publisher.removed(&[BlockHash(101)]);
+//! publisher.flush().await; // batches also go out by themselves after `linger`
+//! # Ok(()) }
+//! ```
+
+use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use crate::protocol::{
+    write_batch_header, write_cleared, write_removed, write_stored, BatchHeader, ResyncAck, ResyncRequest, Tier,
+};
+use anyhow::Context;
+use async_nats::{Client, Subject};
+use bytes::Bytes;
+use futures::StreamExt;
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{mpsc, oneshot, Notify};
+use tokio::task::JoinHandle;
+
+/// Bytes one block can take in a `stored` event (`[u64, u64]` in msgpack).
+const BLOCK_BYTES: usize = 19;
+/// Bytes a `stored` event takes besides its blocks, at most.
+const STORED_OVERHEAD: usize = 80;
+/// Room kept for a batch's envelope.
+const HEADER_BYTES: usize = 128;
+
+/// How a publisher batches and where it sends.
+#[derive(Clone, Debug)]
+pub struct PublisherConfig {
+    /// Subject prefix, as kvindex's `prefix`.
+    pub prefix: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    /// This process's epoch. The default, the start time in nanoseconds, changes at every
+    /// restart, which tells kvindex to drop what the worker held before.
+    pub epoch: u64,
+    /// A batch is sent once it holds this many events...
+    pub max_batch_events: usize,
+    /// ...or this many bytes (snapshot chunks too, and never above the server's payload limit)...
+    pub max_batch_bytes: usize,
+    /// ...or when its first event has waited this long (zero: every call sends at once).
+    pub linger: Duration,
+    /// An empty batch is sent after this long without one, so kvindex knows the worker lives.
+    pub heartbeat: Duration,
+    /// Batches waiting for NATS; beyond this they are dropped (and later resynced).
+    pub queue_capacity: usize,
+}
+
+impl PublisherConfig {
+    /// Defaults for worker `worker_id`, rank `dp_rank`, under `prefix`.
+    pub fn new(prefix: &str, worker_id: u64, dp_rank: u32) -> Self {
+        PublisherConfig {
+            prefix: prefix.into(),
+            worker_id,
+            dp_rank,
+            epoch: SystemTime::now().duration_since(UNIX_EPOCH).map_or(1, |d| d.as_nanos() as u64),
+            max_batch_events: 256,
+            max_batch_bytes: 64 * 1024,
+            linger: Duration::from_millis(2),
+            heartbeat: Duration::from_secs(1),
+            queue_capacity: 4096,
+        }
+    }
+}
+
+/// What a publisher has done, for its host's metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PublisherStats {
+    pub events: u64,
+    pub batches: u64,
+    pub heartbeats: u64,
+    pub snapshots: u64,
+    /// Batches dropped because NATS could not take them in time.
+    pub dropped_batches: u64,
+    /// Blocks left out of snapshots because their parent is not held (not reachable by any lookup).
+    pub orphans_skipped: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    events: AtomicU64,
+    batches: AtomicU64,
+    heartbeats: AtomicU64,
+    snapshots: AtomicU64,
+    dropped_batches: AtomicU64,
+    orphans_skipped: AtomicU64,
+}
+
+struct Block {
+    parent: Option<BlockHash>,
+    tokens_hash: LocalHash,
+}
+
+struct Inner {
+    blocks: FxHashMap<BlockHash, Block>,
+    next_id: u64,
+    /// Encoded events of the batch being filled.
+    pending: Vec<u8>,
+    pending_events: u32,
+    pending_since: Option<Instant>,
+    last_sent: Instant,
+    /// Dropping batches right now (to log once per episode).
+    dropping: bool,
+}
+
+enum Out {
+    Batch(Bytes),
+    Flushed(oneshot::Sender<()>),
+}
+
+struct Shared {
+    cfg: PublisherConfig,
+    inner: Mutex<Inner>,
+    out: mpsc::Sender<Out>,
+    wake: Notify,
+    counters: Counters,
+    /// Largest message, from the server's payload limit and `max_batch_bytes`.
+    max_message: usize,
+}
+
+/// A worker's publisher. Dropping it stops it at once, without a goodbye, as a crash would;
+/// [`Publisher::close`] sends what is pending first.
+pub struct Publisher {
+    shared: Arc<Shared>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl Publisher {
+    /// Subscribes to the resync subjects and starts sending.
+    pub async fn start(client: Client, cfg: PublisherConfig) -> anyhow::Result<Publisher> {
+        let worker_resync = client
+            .subscribe(format!("{}.resync.{}", cfg.prefix, cfg.worker_id))
+            .await
+            .context("subscribing to per-worker resync requests")?;
+        let all_resync = client.subscribe(format!("{}.resync", cfg.prefix)).await.context("subscribing to resync broadcasts")?;
+        client.flush().await.context("flushing subscriptions")?;
+        let server_max = client.server_info().max_payload;
+        let server_max = if server_max == 0 { 1 << 20 } else { server_max };
+        let max_message = cfg.max_batch_bytes.min(server_max).max(HEADER_BYTES + STORED_OVERHEAD + BLOCK_BYTES);
+        let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
+        let subject: Subject = format!("{}.events.{}", cfg.prefix, cfg.worker_id).into();
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                blocks: FxHashMap::default(),
+                next_id: 0,
+                pending: Vec::with_capacity(max_message),
+                pending_events: 0,
+                pending_since: None,
+                last_sent: Instant::now(),
+                dropping: false,
+            }),
+            out: tx,
+            wake: Notify::new(),
+            counters: Counters::default(),
+            max_message,
+            cfg,
+        });
+        let tasks = vec![
+            tokio::spawn(send_loop(client.clone(), subject, rx)),
+            tokio::spawn(control_loop(client, shared.clone(), worker_resync, all_resync)),
+        ];
+        Ok(Publisher { shared, tasks })
+    }
+
+    /// The engine cached `blocks`, a chain under `parent` (`None`: from the first position).
+    pub fn stored(&self, parent: Option<BlockHash>, blocks: &[StoredBlock]) {
+        if blocks.is_empty() {
+            return;
+        }
+        let s = &self.shared;
+        let mut inner = s.inner.lock();
+        let mut prev = parent;
+        for b in blocks {
+            inner.blocks.insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash });
+            prev = Some(b.block_hash);
+        }
+        s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * blocks.len(), |out, id| {
+            write_stored(out, id, parent, blocks, Tier::Device)
+        });
+    }
+
+    /// The engine evicted `hashes`.
+    pub fn removed(&self, hashes: &[BlockHash]) {
+        if hashes.is_empty() {
+            return;
+        }
+        let s = &self.shared;
+        let mut inner = s.inner.lock();
+        for h in hashes {
+            inner.blocks.remove(h);
+        }
+        s.push(&mut inner, 32 + 9 * hashes.len(), |out, id| write_removed(out, id, hashes));
+    }
+
+    /// The engine dropped every block (e.g. a cache reset).
+    pub fn cleared(&self) {
+        let s = &self.shared;
+        let mut inner = s.inner.lock();
+        inner.blocks.clear();
+        s.push(&mut inner, 32, write_cleared);
+    }
+
+    /// Sends what is pending and waits until NATS has it.
+    pub async fn flush(&self) {
+        {
+            let mut inner = self.shared.inner.lock();
+            self.shared.send_pending(&mut inner, false, false);
+        }
+        let (tx, rx) = oneshot::channel();
+        if self.shared.out.send(Out::Flushed(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
+    }
+
+    /// Sends what is pending, then stops.
+    pub async fn close(self) {
+        self.flush().await;
+    }
+
+    /// The worker this publisher speaks for.
+    pub fn worker(&self) -> WorkerId {
+        WorkerId::new(self.shared.cfg.worker_id, self.shared.cfg.dp_rank)
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.shared.cfg.epoch
+    }
+
+    /// Blocks the worker holds now.
+    pub fn len(&self) -> usize {
+        self.shared.inner.lock().blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn stats(&self) -> PublisherStats {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        PublisherStats {
+            events: get(&c.events),
+            batches: get(&c.batches),
+            heartbeats: get(&c.heartbeats),
+            snapshots: get(&c.snapshots),
+            dropped_batches: get(&c.dropped_batches),
+            orphans_skipped: get(&c.orphans_skipped),
+        }
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+impl Shared {
+    /// Appends one event (at most `size` bytes, written by `write` under the next event id),
+    /// sending the batch first if the event would not fit and afterwards if it is full.
+    fn push(&self, inner: &mut Inner, size: usize, write: impl FnOnce(&mut Vec<u8>, u64)) {
+        if inner.pending_events > 0 && inner.pending.len() + size + HEADER_BYTES > self.max_message {
+            self.send_pending(inner, false, false);
+        }
+        let id = inner.next_id;
+        inner.next_id += 1;
+        write(&mut inner.pending, id);
+        inner.pending_events += 1;
+        self.counters.events.fetch_add(1, Ordering::Relaxed);
+        if inner.pending_events as usize >= self.cfg.max_batch_events
+            || inner.pending.len() + HEADER_BYTES >= self.max_message
+            || self.cfg.linger.is_zero()
+        {
+            self.send_pending(inner, false, false);
+        } else if inner.pending_since.is_none() {
+            inner.pending_since = Some(Instant::now());
+            self.wake.notify_one();
+        }
+    }
+
+    /// Sends the pending events as one batch (also when there are none: a heartbeat, or the
+    /// last chunk of a snapshot).
+    fn send_pending(&self, inner: &mut Inner, snapshot: bool, snapshot_end: bool) {
+        if inner.pending_events == 0 && !snapshot {
+            return;
+        }
+        let header = BatchHeader {
+            worker_id: self.cfg.worker_id,
+            dp_rank: self.cfg.dp_rank,
+            epoch: self.cfg.epoch,
+            ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+            snapshot,
+            snapshot_end,
+        };
+        let mut msg = Vec::with_capacity(HEADER_BYTES + inner.pending.len());
+        write_batch_header(&mut msg, &header, inner.pending_events);
+        msg.extend_from_slice(&inner.pending);
+        inner.pending.clear();
+        inner.pending_events = 0;
+        inner.pending_since = None;
+        self.send(inner, msg.into());
+    }
+
+    fn send(&self, inner: &mut Inner, msg: Bytes) {
+        inner.last_sent = Instant::now();
+        match self.out.try_send(Out::Batch(msg)) {
+            Ok(()) => {
+                self.counters.batches.fetch_add(1, Ordering::Relaxed);
+                if inner.dropping {
+                    inner.dropping = false;
+                    tracing::info!(worker = self.cfg.worker_id, "NATS takes batches again; kvindex will resync the gap");
+                }
+            }
+            Err(_) => {
+                self.counters.dropped_batches.fetch_add(1, Ordering::Relaxed);
+                if !inner.dropping {
+                    inner.dropping = true;
+                    tracing::warn!(worker = self.cfg.worker_id, "NATS is not taking batches; dropping them until it does");
+                }
+            }
+        }
+    }
+
+    fn heartbeat(&self, inner: &mut Inner) {
+        let header = BatchHeader {
+            worker_id: self.cfg.worker_id,
+            dp_rank: self.cfg.dp_rank,
+            epoch: self.cfg.epoch,
+            ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+            ..BatchHeader::default()
+        };
+        let mut msg = Vec::with_capacity(HEADER_BYTES);
+        write_batch_header(&mut msg, &header, 0);
+        self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
+        self.send(inner, msg.into());
+    }
+
+    /// Sends the whole block set as snapshot batches: `cleared`, then chains, parents before
+    /// children, in chunks under the message limit; event ids continue the sequence. Returns
+    /// the blocks sent.
+    fn snapshot(&self) -> usize {
+        let mut inner = self.inner.lock();
+        let inner = &mut *inner;
+        self.send_pending(inner, false, false);
+        let id = inner.next_id;
+        inner.next_id += 1;
+        write_cleared(&mut inner.pending, id);
+        inner.pending_events = 1;
+
+        let mut children: FxHashMap<BlockHash, Vec<BlockHash>> = FxHashMap::default();
+        let mut stack: Vec<(Option<BlockHash>, BlockHash)> = Vec::new();
+        for (&h, b) in &inner.blocks {
+            match b.parent {
+                None => stack.push((None, h)),
+                Some(p) => children.entry(p).or_default().push(h),
+            }
+        }
+        let mut chain: Vec<StoredBlock> = Vec::new();
+        let mut sent = 0;
+        while let Some((parent, start)) = stack.pop() {
+            chain.clear();
+            let mut cur = start;
+            loop {
+                chain.push(StoredBlock { block_hash: cur, tokens_hash: inner.blocks[&cur].tokens_hash });
+                match children.get(&cur).map(Vec::as_slice) {
+                    Some([first, rest @ ..]) => {
+                        stack.extend(rest.iter().map(|&k| (Some(cur), k)));
+                        cur = *first;
+                    }
+                    _ => break,
+                }
+            }
+            sent += chain.len();
+            // The chain in pieces that fit the current chunk; each piece hangs off the last.
+            let mut parent = parent;
+            let mut rest = &chain[..];
+            while !rest.is_empty() {
+                let room = self.max_message.saturating_sub(inner.pending.len() + HEADER_BYTES + STORED_OVERHEAD) / BLOCK_BYTES;
+                if room == 0 {
+                    self.send_pending(inner, true, false);
+                    continue;
+                }
+                let (piece, tail) = rest.split_at(room.min(rest.len()));
+                let id = inner.next_id;
+                inner.next_id += 1;
+                write_stored(&mut inner.pending, id, parent, piece, Tier::Device);
+                inner.pending_events += 1;
+                parent = piece.last().map(|b| b.block_hash);
+                rest = tail;
+            }
+        }
+        self.send_pending(inner, true, true);
+        let orphans = (inner.blocks.len() - sent) as u64;
+        self.counters.orphans_skipped.fetch_add(orphans, Ordering::Relaxed);
+        self.counters.snapshots.fetch_add(1, Ordering::Relaxed);
+        sent
+    }
+
+    /// When the control loop must next look: the pending batch's linger, or the heartbeat.
+    fn next_deadline(&self) -> Instant {
+        let inner = self.inner.lock();
+        match inner.pending_since {
+            Some(t) => t + self.cfg.linger,
+            None => inner.last_sent + self.cfg.heartbeat,
+        }
+    }
+
+    fn tick(&self) {
+        let mut inner = self.inner.lock();
+        let now = Instant::now();
+        match inner.pending_since {
+            Some(t) if now >= t + self.cfg.linger => self.send_pending(&mut inner, false, false),
+            None if now >= inner.last_sent + self.cfg.heartbeat => self.heartbeat(&mut inner),
+            _ => {}
+        }
+    }
+}
+
+/// Hands batches to NATS in order.
+async fn send_loop(client: Client, subject: Subject, mut rx: mpsc::Receiver<Out>) {
+    while let Some(out) = rx.recv().await {
+        match out {
+            Out::Batch(msg) => {
+                if let Err(e) = client.publish(subject.clone(), msg).await {
+                    tracing::warn!(%subject, "could not publish a batch: {e}");
+                }
+            }
+            Out::Flushed(done) => {
+                let _ = client.flush().await;
+                let _ = done.send(());
+            }
+        }
+    }
+}
+
+/// Linger, heartbeats and resync requests.
+async fn control_loop(
+    client: Client,
+    shared: Arc<Shared>,
+    mut worker_resync: async_nats::Subscriber,
+    mut all_resync: async_nats::Subscriber,
+) {
+    loop {
+        let deadline = shared.next_deadline();
+        tokio::select! {
+            _ = tokio::time::sleep_until(deadline.into()) => shared.tick(),
+            _ = shared.wake.notified() => {}
+            msg = worker_resync.next() => {
+                let Some(msg) = msg else { return };
+                // A request names a dp rank; ranks sharing a worker id answer only their own.
+                let mine = ResyncRequest::decode(&msg.payload).is_none_or(|r| r.dp_rank == shared.cfg.dp_rank);
+                if !mine {
+                    continue;
+                }
+                let blocks = shared.snapshot();
+                tracing::debug!(worker = shared.cfg.worker_id, blocks, "answered a resync request");
+                if let Some(reply) = msg.reply {
+                    let ack = ResyncAck { worker_id: shared.cfg.worker_id, dp_rank: shared.cfg.dp_rank, epoch: shared.cfg.epoch, blocks: blocks as u64 };
+                    let _ = client.publish(reply, ack.encode().into()).await;
+                }
+            }
+            msg = all_resync.next() => {
+                if msg.is_none() {
+                    return;
+                }
+                let blocks = shared.snapshot();
+                tracing::debug!(worker = shared.cfg.worker_id, blocks, "answered a resync broadcast");
+            }
+        }
+    }
+}

@@ -1,0 +1,159 @@
+//! The publisher library against a real NATS server: batching, heartbeats, and snapshots that
+//! rebuild exactly the engine's state.
+
+mod support;
+
+use futures::StreamExt;
+use kvindex::apply::WorkerEvent;
+use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex::index::reference::ReferenceIndex;
+use kvindex::index::{KvIndex, MatchOptions};
+use kvindex::protocol::{decode_batch, EventBatch, EventData, KvEvent, ResyncAck, ResyncRequest};
+use kvindex::publisher::{Publisher, PublisherConfig};
+use std::time::Duration;
+use support::engine::{all_queries, ModelEngine};
+use support::NatsServer;
+
+/// The next batch on `sub` (panics after 5 s), with its size in bytes.
+async fn next_batch(sub: &mut async_nats::Subscriber) -> (EventBatch, usize) {
+    let msg = tokio::time::timeout(Duration::from_secs(5), sub.next()).await.expect("a batch in time").expect("subscribed");
+    (decode_batch(&msg.payload).expect("a valid batch"), msg.payload.len())
+}
+
+fn events(b: &EventBatch) -> Vec<KvEvent> {
+    b.events.iter().map(|e| e.clone().expect("valid event")).collect()
+}
+
+fn apply(index: &ReferenceIndex, w: &mut <ReferenceIndex as KvIndex>::Writer, e: &KvEvent) -> u64 {
+    let ev = match &e.data {
+        EventData::Stored { parent, blocks, .. } => WorkerEvent::Stored { parent: *parent, blocks: blocks.clone() },
+        EventData::Removed { hashes } => WorkerEvent::Removed { hashes: hashes.clone() },
+        EventData::Cleared => WorkerEvent::Cleared,
+    };
+    ev.apply_to(index, w).unplaceable
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_by_count_and_linger_then_heartbeats() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut sub = client.subscribe("t.events.7").await.unwrap();
+    let cfg = PublisherConfig {
+        max_batch_events: 4,
+        linger: Duration::from_millis(50),
+        heartbeat: Duration::from_millis(200),
+        epoch: 42,
+        ..PublisherConfig::new("t", 7, 0)
+    };
+    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    for i in 0..10u64 {
+        p.stored(if i == 0 { None } else { Some(BlockHash(i - 1)) }, &[StoredBlock::new(i, i)]);
+    }
+    let mut sizes = Vec::new();
+    let mut ids = Vec::new();
+    for _ in 0..3 {
+        let (b, _) = next_batch(&mut sub).await;
+        assert_eq!((b.worker_id, b.dp_rank, b.epoch, b.snapshot), (7, 0, 42, false));
+        sizes.push(b.events.len());
+        ids.extend(events(&b).iter().map(|e| e.event_id));
+    }
+    // Two full batches at once, the rest after the linger.
+    assert_eq!(sizes, vec![4, 4, 2]);
+    assert_eq!(ids, (0..10).collect::<Vec<_>>());
+    // Then, idle: heartbeats, empty batches.
+    let (hb, _) = next_batch(&mut sub).await;
+    assert!(hb.events.is_empty());
+    assert_eq!(p.stats().events, 10);
+    assert!(p.stats().heartbeats >= 1);
+    assert_eq!(p.len(), 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut sub = client.subscribe("t.events.7").await.unwrap();
+    let cfg = PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) };
+    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    let mut engine = ModelEngine::new(7, 1, 400);
+    for _ in 0..2000 {
+        engine.step(&p);
+    }
+    p.flush().await;
+    // The live stream, applied to a reference index, is the engine's state...
+    let live = ReferenceIndex::new(1 << 16, 16);
+    let mut lw = live.writer(WorkerId::new(7, 0)).unwrap();
+    let mut next_id = 0;
+    while next_id < p.stats().events {
+        let (b, _) = next_batch(&mut sub).await;
+        for e in events(&b) {
+            assert_eq!(e.event_id, next_id);
+            next_id += 1;
+            apply(&live, &mut lw, &e);
+        }
+    }
+
+    // ...and so is a snapshot applied to an empty one.
+    let ack = client
+        .request("t.resync.7", ResyncRequest { worker_id: 7, dp_rank: 0 }.encode().into())
+        .await
+        .expect("the publisher answers");
+    let ack: ResyncAck = rmp_serde::from_slice(&ack.payload).unwrap();
+    assert_eq!((ack.worker_id, ack.blocks), (7, engine.len() as u64));
+    let snap = ReferenceIndex::new(1 << 16, 16);
+    let mut sw = snap.writer(WorkerId::new(7, 0)).unwrap();
+    let mut chunks = 0;
+    loop {
+        let (b, bytes) = next_batch(&mut sub).await;
+        assert!(b.snapshot, "only snapshot batches follow");
+        assert!(bytes <= 1024, "a chunk of {bytes} bytes is over max_batch_bytes");
+        for (i, e) in events(&b).iter().enumerate() {
+            assert_eq!(e.event_id, next_id, "snapshot ids continue the sequence");
+            next_id += 1;
+            assert_eq!(chunks == 0 && i == 0, e.data == EventData::Cleared, "the first event, and only it, clears");
+            assert_eq!(apply(&snap, &mut sw, e), 0, "every block's parent came before it");
+        }
+        chunks += 1;
+        if b.snapshot_end {
+            break;
+        }
+    }
+    assert!(chunks > 3, "{} blocks fit in {chunks} chunks of 1 KiB?", engine.len());
+    assert_eq!(snap.stats().placements, engine.len() as u64);
+    for q in all_queries(6) {
+        let q: Vec<LocalHash> = q.into_iter().map(LocalHash).collect();
+        assert_eq!(snap.find_matches(&q, &MatchOptions::default()), live.find_matches(&q, &MatchOptions::default()));
+    }
+    assert_eq!(p.stats().snapshots, 1);
+    assert_eq!(p.stats().orphans_skipped, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut sub = client.subscribe("t.events.7").await.unwrap();
+    let cfg = PublisherConfig { linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 1) };
+    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    p.stored(None, &[StoredBlock::new(1, 10), StoredBlock::new(2, 20), StoredBlock::new(3, 30)]);
+    p.stored(None, &[StoredBlock::new(4, 40)]);
+    p.removed(&[BlockHash(1)]);
+    for _ in 0..3 {
+        next_batch(&mut sub).await;
+    }
+
+    // A request for rank 0 of this worker is not ours to answer.
+    let other = client.request("t.resync.7", ResyncRequest { worker_id: 7, dp_rank: 0 }.encode().into());
+    assert!(tokio::time::timeout(Duration::from_millis(300), other).await.is_err());
+
+    // A broadcast is: blocks 2 and 3 lost their parent and no lookup can reach them.
+    client.publish("t.resync", bytes::Bytes::new()).await.unwrap();
+    let (b, _) = next_batch(&mut sub).await;
+    assert!(b.snapshot && b.snapshot_end);
+    let ev = events(&b);
+    assert_eq!(ev.len(), 2);
+    assert_eq!(ev[0].data, EventData::Cleared);
+    assert_eq!(ev[1], KvEvent::stored(4, None, &[(4, 40)]));
+    assert_eq!(p.stats().orphans_skipped, 2);
+    assert_eq!(p.len(), 3);
+}
