@@ -61,9 +61,17 @@ pub struct NatsProcess {
 }
 
 impl NatsProcess {
-    /// Starts one on a free port and waits until it accepts connections.
+    /// Starts one on a free port and waits until it accepts connections. Another process can
+    /// take the port between choosing and binding it: then it tries another.
     pub fn start() -> Result<Self> {
-        Self::start_on(free_port()?)
+        let mut last = None;
+        for _ in 0..5 {
+            match Self::start_on(free_port()?) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
     }
 
     /// Starts one on `port` (e.g. to restart a server where clients expect it).
@@ -84,15 +92,26 @@ impl NatsProcess {
             .stderr(Stdio::null())
             .spawn()
             .context("starting nats-server")?;
-        let server = NatsProcess { child, port };
+        let mut server = NatsProcess { child, port };
         let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        loop {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                bail!("nats-server exited ({status}): port {port} taken?");
+            }
+            // Ours, and serving: a NATS server greets with INFO.
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                use std::io::Read;
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut greeting = [0u8; 4];
+                if s.read_exact(&mut greeting).is_ok() && &greeting == b"INFO" && matches!(server.child.try_wait(), Ok(None)) {
+                    return Ok(server);
+                }
+            }
             if Instant::now() > deadline {
                 bail!("nats-server did not start on port {port}");
             }
             std::thread::sleep(Duration::from_millis(20));
         }
-        Ok(server)
     }
 
     pub fn url(&self) -> String {
@@ -157,6 +176,7 @@ fn batches(wl: &Workload, epoch: u64) -> Vec<(u64, EventBatch, u64)> {
             ts_ns: 0,
             snapshot: false,
             snapshot_end: false,
+            next_event_id: None,
             events: vec![Ok(KvEvent { event_id: *id, data })],
         };
         *id += 1;

@@ -75,6 +75,9 @@ pub struct EventBatch {
     pub ts_ns: u64,
     pub snapshot: bool,
     pub snapshot_end: bool,
+    /// The id the publisher will give its next event (optional): lets a heartbeat reveal
+    /// events lost at the tail of the stream.
+    pub next_event_id: Option<u64>,
     pub events: Vec<Result<KvEvent, DecodeError>>,
 }
 
@@ -383,8 +386,16 @@ pub fn decode_event(v: &[u8]) -> Result<KvEvent, DecodeError> {
 pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
     let mut whole = Rd::new(bytes);
     let top = whole.value().ok_or(DecodeError::NotMsgpack)?;
-    let mut b =
-        EventBatch { worker_id: 0, dp_rank: 0, epoch: 0, ts_ns: 0, snapshot: false, snapshot_end: false, events: Vec::new() };
+    let mut b = EventBatch {
+        worker_id: 0,
+        dp_rank: 0,
+        epoch: 0,
+        ts_ns: 0,
+        snapshot: false,
+        snapshot_end: false,
+        next_event_id: None,
+        events: Vec::new(),
+    };
     let (mut worker, mut events, mut bad) = (None, None, false);
     let uint = |v: &[u8], bad: &mut bool| match Rd::new(v).head() {
         Some(Head::Uint(u)) => u,
@@ -402,7 +413,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             false
         }
     };
-    let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end"];
+    let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id"];
     fields(top, &names, |k, v| match k {
         b"worker_id" => worker = hash(v),
         b"dp_rank" => match u32::try_from(uint(v, &mut bad)) {
@@ -414,6 +425,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         b"snapshot" => b.snapshot = flag(v, &mut bad),
         b"snapshot_end" => b.snapshot_end = flag(v, &mut bad),
         b"events" => events = Some(v),
+        b"next_event_id" if !is_nil(v) => b.next_event_id = Some(uint(v, &mut bad)),
         _ => {}
     })
     .ok_or(DecodeError::BadBatch)?;
@@ -507,16 +519,21 @@ pub struct BatchHeader {
     pub ts_ns: u64,
     pub snapshot: bool,
     pub snapshot_end: bool,
+    pub next_event_id: Option<u64>,
 }
 
 /// Writes a batch's envelope, up to and including the length of its `events` list; the
 /// caller appends `events` events written with [`write_event`].
 pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
     use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
-    let _ = write_map_len(out, 7);
+    let _ = write_map_len(out, 7 + h.next_event_id.is_some() as u32);
     for (k, v) in [("worker_id", h.worker_id), ("dp_rank", h.dp_rank as u64), ("epoch", h.epoch), ("ts_ns", h.ts_ns)] {
         let _ = write_str(out, k);
         let _ = write_uint(out, v);
+    }
+    if let Some(n) = h.next_event_id {
+        let _ = write_str(out, "next_event_id");
+        let _ = write_uint(out, n);
     }
     for (k, v) in [("snapshot", h.snapshot), ("snapshot_end", h.snapshot_end)] {
         let _ = write_str(out, k);
@@ -537,6 +554,7 @@ pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
         ts_ns: b.ts_ns,
         snapshot: b.snapshot,
         snapshot_end: b.snapshot_end,
+        next_event_id: b.next_event_id,
     };
     write_batch_header(&mut out, &header, events.len() as u32);
     for e in events {
@@ -686,6 +704,7 @@ mod tests {
             ts_ns: 1_700_000_000_000_000_000,
             snapshot: true,
             snapshot_end: false,
+            next_event_id: None,
             events: vec![
                 Ok(KvEvent { event_id: 0, data: EventData::Cleared }),
                 Ok(stored(1, None, &[(u64::MAX, 5), (11, 6)])),
@@ -821,7 +840,8 @@ mod tests {
                 1 => KvEvent { event_id: i as u64, data: EventData::Removed { hashes: vec![BlockHash(b)] } },
                 _ => KvEvent { event_id: i as u64, data: EventData::Cleared },
             })).collect();
-            let batch = EventBatch { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, events };
+            let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
+            let batch = EventBatch { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);
             let _ = decode_batch(&bytes[..cut.min(bytes.len())]);

@@ -312,6 +312,7 @@ impl Shared {
             ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
             snapshot,
             snapshot_end,
+            next_event_id: Some(inner.next_id),
         };
         let mut msg = Vec::with_capacity(HEADER_BYTES + inner.pending.len());
         write_batch_header(&mut msg, &header, inner.pending_events);
@@ -348,6 +349,7 @@ impl Shared {
             dp_rank: self.cfg.dp_rank,
             epoch: self.cfg.epoch,
             ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+            next_event_id: Some(inner.next_id),
             ..BatchHeader::default()
         };
         let mut msg = Vec::with_capacity(HEADER_BYTES);

@@ -449,8 +449,22 @@ fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload
             }
         }
     }
-    // A heartbeat tells nothing of the sequence either.
-    midstream |= unknown_history;
+    // The publisher's next event id shows events lost at the tail (a heartbeat after them).
+    match (batch.next_event_id, c.next_id) {
+        (Some(n), Some(x)) if n > x => {
+            m.event_gaps.inc();
+            gap = true;
+            c.snapshot_clean = false;
+            c.next_id = Some(n);
+        }
+        (Some(n), None) => {
+            midstream |= n > 0;
+            c.next_id = Some(n);
+        }
+        // A heartbeat without it tells nothing of the sequence.
+        (None, None) => midstream = true,
+        _ => {}
+    }
     let snapshot_done = batch.snapshot && batch.snapshot_end && c.snapshot_clean && !gap;
     if batch.snapshot_end {
         c.snapshot_clean = false;

@@ -75,7 +75,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
     let mut sub = client.subscribe("t.events.7").await.unwrap();
     let cfg = PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) };
     let p = Publisher::start(client.clone(), cfg).await.unwrap();
-    let mut engine = ModelEngine::new(7, 1, 400);
+    let mut engine = ModelEngine::new(7, 1, 400).without_resets();
     for _ in 0..2000 {
         engine.step(&p);
     }

@@ -16,6 +16,7 @@ fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
         ts_ns,
         snapshot: false,
         snapshot_end: false,
+        next_event_id: None,
         events: events.into_iter().map(Ok).collect(),
     }
 }
@@ -311,4 +312,18 @@ async fn survives_a_nats_restart_and_asks_everyone_to_resync() {
     publish(&c, 1, &batch(1, 1, vec![stored(0, None, &chain(10, &[1, 2]))])).await;
     expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(1, 2, false)]).await;
     d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_applies_what_it_has_and_exits_zero_on_sigterm() {
+    let nats = NatsServer::start();
+    let mut d = support::process::DaemonProcess::start(&nats.url(), &[], &[("READY_SETTLE_MS", "100")]);
+    d.wait_ready(10).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    publish(&c, 1, &batch(1, 1, vec![stored(0, None, &chain(100, &[1, 2, 3]))])).await;
+    expect_matches(&c, &by_hashes(&[1, 2, 3]), vec![entry(1, 3, false)]).await;
+    let status = d.terminate().expect("exits within 10 s of SIGTERM");
+    assert!(status.success(), "exit status {status:?}; log:\n{}", d.log_text());
+    let log = d.log_text();
+    assert!(log.contains("shutting down") && log.contains("kvindex stopped"), "log:\n{log}");
 }

@@ -6,7 +6,7 @@
 use kvindex::hash::{BlockHash, StoredBlock};
 use kvindex::protocol::{LookupRequest, LookupResponse, MatchEntry};
 use kvindex::publisher::Publisher;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 /// Local hashes are drawn from `0..ALPHABET`.
 pub const ALPHABET: u64 = 3;
@@ -24,18 +24,33 @@ pub fn block_hash(parent: Option<BlockHash>, l: u64) -> BlockHash {
     BlockHash(mix(parent.map_or(1, |p| p.0).wrapping_mul(31).wrapping_add(l)))
 }
 
+#[derive(Clone)]
 pub struct ModelEngine {
     pub worker_id: u64,
     rng: u64,
     capacity: usize,
-    /// Held blocks: parent and local hash.
-    blocks: HashMap<BlockHash, (Option<BlockHash>, u64)>,
-    children: HashMap<BlockHash, usize>,
+    /// One step in `reset_every` drops the whole cache (0: never).
+    reset_every: u64,
+    /// Held blocks: parent and local hash (ordered, so a seed replays the same steps).
+    blocks: BTreeMap<BlockHash, (Option<BlockHash>, u64)>,
+    children: BTreeMap<BlockHash, usize>,
 }
 
 impl ModelEngine {
     pub fn new(worker_id: u64, seed: u64, capacity: usize) -> Self {
-        ModelEngine { worker_id, rng: mix(seed ^ worker_id), capacity, blocks: HashMap::new(), children: HashMap::new() }
+        ModelEngine {
+            worker_id,
+            rng: mix(seed ^ worker_id),
+            capacity,
+            reset_every: 500,
+            blocks: BTreeMap::new(),
+            children: BTreeMap::new(),
+        }
+    }
+
+    /// The same engine, never resetting its cache.
+    pub fn without_resets(self) -> Self {
+        ModelEngine { reset_every: 0, ..self }
     }
 
     fn rand(&mut self, n: u64) -> u64 {
@@ -50,7 +65,7 @@ impl ModelEngine {
     /// One engine step: cache a chain under a random held block (or at the root), evicting
     /// leaves beyond capacity; now and then a full cache reset.
     pub fn step(&mut self, p: &Publisher) {
-        if self.rand(500) == 0 {
+        if self.reset_every > 0 && self.rand(self.reset_every) == 0 {
             self.blocks.clear();
             self.children.clear();
             p.cleared();

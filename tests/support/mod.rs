@@ -59,13 +59,7 @@ impl Daemon {
 
     /// GET `path` from the metrics server: (status, body).
     pub async fn http_get(&self, path: &str) -> Option<(u16, String)> {
-        let mut s = tokio::net::TcpStream::connect(&self.cfg.metrics_addr).await.ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).await.ok()?;
-        let code = buf.split_whitespace().nth(1)?.parse().ok()?;
-        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-        Some((code, body))
+        http_get(&self.cfg.metrics_addr, path).await
     }
 
     pub async fn metrics(&self) -> String {
@@ -74,11 +68,7 @@ impl Daemon {
 
     /// The value of one sample line of /metrics (`name{labels}`), 0 if absent.
     pub async fn metric(&self, sample: &str) -> f64 {
-        self.metrics()
-            .await
-            .lines()
-            .find_map(|l| l.strip_prefix(sample).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(0.0)
+        metric_value(&self.metrics().await, sample)
     }
 
     pub async fn stop(mut self) -> anyhow::Result<()> {
@@ -87,6 +77,27 @@ impl Daemon {
         }
         tokio::time::timeout(Duration::from_secs(10), &mut self.handle).await.expect("stops in time").expect("not panicked")
     }
+}
+
+/// GET `path` from an HTTP server (HTTP/1.0, so the server closes): (status, body).
+pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    let get = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.ok()?;
+        let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Some((code, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), get).await.ok().flatten()
+}
+
+/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
+pub fn metric_value(text: &str, sample: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(sample).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
 }
 
 /// Retries `check` until it returns `Some` or `secs` pass.
@@ -107,3 +118,4 @@ where
     }
 }
 pub mod engine;
+pub mod process;

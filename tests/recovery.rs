@@ -1,0 +1,289 @@
+//! Fault tests (issue 4): real `nats-server` and `kvindex` processes, model engines reporting
+//! through the publisher library. After each fault, every lookup must equal the engines' true
+//! state within a stated time, with no worker left stale, and the daemon must still run.
+//! Recovery times are printed (`cargo test --test recovery -- --nocapture`).
+
+mod support;
+
+use async_nats::{Client, ConnectOptions};
+use futures::StreamExt;
+use kvindex::publisher::{Publisher, PublisherConfig};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use support::engine::{all_queries, first_difference, ModelEngine};
+use support::process::DaemonProcess;
+use support::NatsServer;
+
+/// Settings every test daemon gets: fast resync and readiness.
+const FAST: &[(&str, &str)] = &[("RESYNC_INTERVAL", "1"), ("RESYNC_MAX_INTERVAL", "4"), ("READY_SETTLE_MS", "200")];
+/// How long a fleet may take to converge after a fault.
+const CONVERGE_S: u64 = 20;
+
+async fn connect(url: &str) -> Client {
+    ConnectOptions::new().retry_on_initial_connect().max_reconnects(None).connect(url).await.expect("connects to NATS")
+}
+
+/// Model engines, each with its publisher on its own connection, as separate engine
+/// processes would have.
+struct Fleet {
+    engines: Vec<ModelEngine>,
+    publishers: Vec<Option<Publisher>>,
+    url: String,
+    prefix: String,
+}
+
+impl Fleet {
+    async fn start(url: &str, prefix: &str, workers: u64, seed: u64) -> Fleet {
+        let mut f = Fleet { engines: Vec::new(), publishers: Vec::new(), url: url.into(), prefix: prefix.into() };
+        for w in 1..=workers {
+            f.engines.push(ModelEngine::new(w, seed, 60));
+            f.publishers.push(Some(f.publisher(w).await));
+        }
+        f
+    }
+
+    async fn publisher(&self, worker: u64) -> Publisher {
+        let cfg = PublisherConfig { heartbeat: Duration::from_millis(200), ..PublisherConfig::new(&self.prefix, worker, 0) };
+        Publisher::start(connect(&self.url).await, cfg).await.expect("publisher starts")
+    }
+
+    /// `rounds` steps of every running engine, `pause` apart.
+    async fn run(&mut self, rounds: usize, pause: Duration) {
+        for _ in 0..rounds {
+            for (e, p) in self.engines.iter_mut().zip(&self.publishers) {
+                if let Some(p) = p {
+                    e.step(p);
+                }
+            }
+            tokio::time::sleep(pause).await;
+        }
+        for p in self.publishers.iter().flatten() {
+            p.flush().await;
+        }
+    }
+
+    /// The engines whose publishers run: what the index must hold.
+    fn live(&self) -> Vec<&ModelEngine> {
+        self.engines.iter().zip(&self.publishers).filter(|(_, p)| p.is_some()).map(|(e, _)| e).collect()
+    }
+}
+
+/// Waits until every lookup of up to 5 blocks answers the truth; returns how long it took.
+async fn converge(router: &Client, fleet: &Fleet, d: &mut DaemonProcess, what: &str) -> Duration {
+    let queries = all_queries(5);
+    let live: Vec<ModelEngine> = fleet.live().into_iter().cloned().collect();
+    let start = Instant::now();
+    loop {
+        let diff = first_difference(router, "t.lookup", &live, &queries).await;
+        let Some((q, want, got)) = diff else { break };
+        if start.elapsed() > Duration::from_secs(CONVERGE_S) {
+            panic!("{what}: not converged in {CONVERGE_S} s: lookup {q:?} wants {want:?}, got {got:?}\nlog:\n{}", d.log_text());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(d.running(), "{what}: the daemon exited; log:\n{}", d.log_text());
+    let took = start.elapsed();
+    eprintln!("{what}: converged {} ms after the fault ended", took.as_millis());
+    took
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn daemon_killed_mid_stream_rebuilds_from_the_publishers() {
+    let nats = NatsServer::start();
+    // The default settle time: a restarted daemon is ready once the snapshots are in.
+    let mut d = DaemonProcess::start(&nats.url(), &[], &[("RESYNC_INTERVAL", "1")]);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&nats.url(), "t", 4, 1).await;
+    let router = connect(&nats.url()).await;
+    fleet.run(100, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "baseline").await;
+
+    // kill -9 while events flow; they keep flowing to nobody; then a new, empty daemon.
+    fleet.run(20, Duration::from_millis(2)).await;
+    d.kill9();
+    fleet.run(50, Duration::from_millis(2)).await;
+    d.restart();
+    let ready = d.wait_ready(15).await;
+    eprintln!("restart: ready {} ms after the process started", ready.as_millis());
+    // Ready means rebuilt: every answer is right already.
+    let live: Vec<ModelEngine> = fleet.live().into_iter().cloned().collect();
+    let diff = first_difference(&router, "t.lookup", &live, &all_queries(5)).await;
+    assert!(diff.is_none(), "ready but not rebuilt: {diff:?}\nlog:\n{}", d.log_text());
+    fleet.run(20, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "kill -9 and restart").await;
+    assert!(d.metric("kvindex_snapshots_total{result=\"complete\"}").await >= 4.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_restarted_while_publishers_keep_working() {
+    let port = support::free_port();
+    let nats = NatsServer::start_on(port);
+    let url = nats.url();
+    let mut d = DaemonProcess::start(&url, &[], FAST);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&url, "t", 4, 2).await;
+    let router = connect(&url).await;
+    fleet.run(100, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "baseline").await;
+
+    drop(nats);
+    // The engines keep caching and evicting; their events cannot reach anyone.
+    for _ in 0..60 {
+        for (e, p) in fleet.engines.iter_mut().zip(&fleet.publishers) {
+            e.step(p.as_ref().expect("running"));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _nats = NatsServer::start_on(port);
+    fleet.run(10, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "NATS restart").await;
+    assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
+}
+
+/// Forwards `src.events.*` to `t.events.*`, dropping and repeating batches; passes resync
+/// requests and broadcasts the other way.
+async fn lossy_relay(client: Client, drop_pct: Arc<AtomicU64>, dup_pct: u64) -> tokio::task::JoinHandle<()> {
+    let mut events = client.subscribe("src.events.*").await.unwrap();
+    let mut broadcasts = client.subscribe("t.resync").await.unwrap();
+    let mut requests = client.subscribe("t.resync.*").await.unwrap();
+    client.flush().await.unwrap();
+    tokio::spawn(async move {
+        let mut rng = 0x2545_F491_4F6C_DD1Du64;
+        let mut roll = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % 100
+        };
+        loop {
+            tokio::select! {
+                Some(m) = events.next() => {
+                    if roll() < drop_pct.load(Ordering::Relaxed) {
+                        continue;
+                    }
+                    let subject = m.subject.replacen("src.", "t.", 1);
+                    let copies = if roll() < dup_pct { 2 } else { 1 };
+                    for _ in 0..copies {
+                        let _ = client.publish(subject.clone(), m.payload.clone()).await;
+                    }
+                }
+                Some(_) = broadcasts.next() => {
+                    let _ = client.publish("src.resync", bytes::Bytes::new()).await;
+                }
+                Some(m) = requests.next() => {
+                    let (client, subject) = (client.clone(), m.subject.replacen("t.", "src.", 1));
+                    tokio::spawn(async move {
+                        if let (Ok(answer), Some(reply)) = (client.request(subject, m.payload).await, m.reply) {
+                            let _ = client.publish(reply, answer.payload).await;
+                        }
+                    });
+                }
+                else => return,
+            }
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_and_duplicated_batches_heal() {
+    let nats = NatsServer::start();
+    let mut d = DaemonProcess::start(&nats.url(), &[], FAST);
+    d.wait_ready(10).await;
+    let drop_pct = Arc::new(AtomicU64::new(10));
+    let relay = lossy_relay(connect(&nats.url()).await, drop_pct.clone(), 10).await;
+    let mut fleet = Fleet::start(&nats.url(), "src", 4, 3).await;
+    let router = connect(&nats.url()).await;
+    fleet.run(150, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "10% of batches dropped, 10% repeated").await;
+
+    // Every worker's last batch is lost; only heartbeats follow, and they must reveal it.
+    drop_pct.store(100, Ordering::Relaxed);
+    fleet.run(1, Duration::ZERO).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop_pct.store(0, Ordering::Relaxed);
+    converge(&router, &fleet, &mut d, "the last batch of every worker lost").await;
+    assert!(d.metric("kvindex_event_gaps_total").await > 0.0);
+    assert!(d.metric("kvindex_duplicate_events_total").await > 0.0);
+    relay.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publisher_restart_and_silence_past_the_ttl() {
+    let nats = NatsServer::start();
+    let mut d = DaemonProcess::start(&nats.url(), &["--worker-ttl", "2"], FAST);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&nats.url(), "t", 4, 4).await;
+    let router = connect(&nats.url()).await;
+    fleet.run(100, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "baseline").await;
+
+    // Worker 2's engine restarts: a new process, a new epoch, an empty cache.
+    fleet.publishers[1] = None;
+    fleet.engines[1] = ModelEngine::new(2, 99, 60);
+    fleet.publishers[1] = Some(fleet.publisher(2).await);
+    fleet.run(50, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "publisher restart (new epoch)").await;
+    assert!(d.metric("kvindex_epoch_changes_total").await >= 1.0);
+
+    // Worker 3's engine dies without a word: after the TTL no lookup may name it.
+    fleet.publishers[2] = None;
+    let took = converge(&router, &fleet, &mut d, "publisher silent past the 2 s TTL").await;
+    assert!(took < Duration::from_secs(4), "expired {took:?} after going silent");
+    assert_eq!(d.metric("kvindex_workers_expired_total").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flood_of_malformed_messages_beside_good_traffic() {
+    let nats = NatsServer::start();
+    let mut d = DaemonProcess::start(&nats.url(), &[], FAST);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&nats.url(), "t", 4, 5).await;
+    let router = connect(&nats.url()).await;
+
+    let flooder = connect(&nats.url()).await;
+    let flood = tokio::spawn(async move {
+        let good = kvindex::protocol::encode_batch(&kvindex::protocol::EventBatch {
+            worker_id: 1,
+            dp_rank: 0,
+            epoch: 1,
+            ts_ns: 0,
+            snapshot: false,
+            snapshot_end: false,
+            next_event_id: None,
+            events: vec![Ok(kvindex::protocol::KvEvent::stored(0, None, &[(1, 2), (3, 4)]))],
+        });
+        let mismatched = {
+            let mut b = kvindex::protocol::decode_batch(&good).unwrap();
+            b.worker_id = 2;
+            kvindex::protocol::encode_batch(&b)
+        };
+        let mut sent = 0u64;
+        loop {
+            let garbage: Vec<(&str, Vec<u8>)> = vec![
+                ("t.events.1", vec![0xc1, 0xff, 0x00]),
+                ("t.events.1", good[..good.len() / 2].to_vec()),
+                ("t.events.1", mismatched.clone()),
+                ("t.events.3", b"{\"json\": true}".to_vec()),
+                ("t.events.x", good.clone()),
+                ("t.events.4", rmp_serde::to_vec(&("worker", 4, [1, 2, 3])).unwrap()),
+                ("t.lookup", vec![0x92, 0x01]),
+            ];
+            for (subject, payload) in garbage {
+                if flooder.publish(subject, payload.into()).await.is_err() {
+                    return sent;
+                }
+                sent += 1;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    });
+    fleet.run(150, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "malformed flood beside good traffic").await;
+    flood.abort();
+    for reason in ["not_msgpack", "worker_mismatch", "bad_subject", "bad_batch"] {
+        let n = d.metric(&format!("kvindex_decode_failures_total{{reason=\"{reason}\"}}")).await;
+        assert!(n > 0.0, "no {reason} counted");
+    }
+    assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
+}
