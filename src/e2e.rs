@@ -6,7 +6,9 @@
 use crate::apply::WorkerEvent;
 use crate::bench::{Op, Workload};
 use crate::config::Config;
-use crate::protocol::{encode_batch, EventBatch, EventData, KvEvent, LookupRequest, Tier};
+use crate::hash::WorkerId;
+use crate::protocol::LookupRequest;
+use crate::publisher::{Publisher, PublisherConfig};
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
 use serde::Serialize;
@@ -15,7 +17,7 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 /// Settings of a run.
 #[derive(Clone, Debug)]
@@ -46,6 +48,12 @@ pub struct E2eReport {
     pub lookup_rtt_p50_us: f64,
     pub lookup_rtt_p99_us: f64,
     pub lookup_errors: u64,
+    /// After the replay, a fresh daemon replaced the first: time until it was ready again,
+    /// rebuilt from the publishers' snapshots, and the blocks it then held.
+    pub rebuild_ms: f64,
+    pub rebuilt_blocks: u64,
+    /// Blocks the engines held at the end (some unreachable: evicted parents).
+    pub engine_blocks: u64,
 }
 
 /// A TCP port free on loopback right now.
@@ -155,38 +163,43 @@ fn bucket_quantile(text: &str, name: &str, q: f64) -> f64 {
     buckets.iter().find(|(_, c)| *c >= q * total).map_or(0.0, |b| b.0)
 }
 
-/// The workload's events as per-worker batches, with consecutive event ids.
-fn batches(wl: &Workload, epoch: u64) -> Vec<(u64, EventBatch, u64)> {
-    let mut ids: HashMap<u64, u64> = HashMap::new();
-    let mut out = Vec::new();
-    for op in &wl.ops {
-        let Op::Event(w, ev) = op else { continue };
-        let id = ids.entry(w.worker_id).or_default();
-        let (data, blocks) = match ev {
-            WorkerEvent::Stored { parent, blocks } => {
-                (EventData::Stored { parent: *parent, blocks: blocks.clone(), tier: Tier::Device }, blocks.len() as u64)
-            }
-            WorkerEvent::Removed { hashes } => (EventData::Removed { hashes: hashes.clone() }, hashes.len() as u64),
-            WorkerEvent::Cleared => (EventData::Cleared, 0),
-        };
-        let batch = EventBatch {
-            worker_id: w.worker_id,
-            dp_rank: w.dp_rank,
-            epoch,
-            ts_ns: 0,
-            snapshot: false,
-            snapshot_end: false,
-            next_event_id: None,
-            events: vec![Ok(KvEvent { event_id: *id, data })],
-        };
-        *id += 1;
-        out.push((w.worker_id, batch, blocks));
-    }
-    out
+/// `kvindex serve` in this process.
+struct Daemon {
+    metrics_addr: String,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<()>>,
 }
 
-fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+impl Daemon {
+    /// Starts one and waits until `/readyz` says it is ready (rebuilt, if publishers exist).
+    async fn start(url: &str, prefix: &str, apply_threads: usize) -> Result<Daemon> {
+        let metrics_addr = format!("127.0.0.1:{}", free_port()?);
+        let cfg = Config {
+            nats_url: url.into(),
+            prefix: prefix.into(),
+            metrics_addr: metrics_addr.clone(),
+            apply_threads,
+            worker_ttl: 0,
+            ..Config::default()
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(crate::service::serve(cfg, async move {
+            let _ = stopped.await;
+        }));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while http_get(&metrics_addr, "/readyz").await.is_none_or(|b| !b.starts_with("ready")) {
+            if Instant::now() > deadline || task.is_finished() {
+                bail!("kvindex did not become ready");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(Daemon { metrics_addr, stop, task })
+    }
+
+    async fn stop(self) -> Result<()> {
+        let _ = self.stop.send(());
+        self.task.await.context("daemon task")?
+    }
 }
 
 /// Runs the whole system once and reports.
@@ -200,31 +213,25 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         }
     };
     let prefix = format!("e2e{}", std::process::id());
-    let metrics_addr = format!("127.0.0.1:{}", free_port()?);
-    let daemon_cfg = Config {
-        nats_url: url.clone(),
-        prefix: prefix.clone(),
-        metrics_addr: metrics_addr.clone(),
-        apply_threads: cfg.apply_threads,
-        worker_ttl: 0,
-        ..Config::default()
-    };
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let daemon = tokio::spawn(crate::service::serve(daemon_cfg, async move {
-        let _ = stop_rx.await;
-    }));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while http_get(&metrics_addr, "/readyz").await.is_none_or(|b| !b.starts_with("ready")) {
-        if Instant::now() > deadline {
-            bail!("kvindex did not become ready");
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let daemon = Daemon::start(&url, &prefix, cfg.apply_threads).await?;
+    let metrics_addr = daemon.metrics_addr.clone();
 
+    // The engines: one publisher per worker, as beside each engine.
     let client = async_nats::connect(&url).await.context("publisher connecting to NATS")?;
-    let epoch = now_ns();
-    let batches = batches(wl, epoch);
-    let total_blocks: u64 = batches.iter().map(|b| b.2).sum();
+    let mut publishers: HashMap<WorkerId, Publisher> = HashMap::new();
+    let mut total_blocks = 0u64;
+    for op in &wl.ops {
+        let Op::Event(w, ev) = op else { continue };
+        total_blocks += match ev {
+            WorkerEvent::Stored { blocks, .. } => blocks.len() as u64,
+            WorkerEvent::Removed { hashes } => hashes.len() as u64,
+            WorkerEvent::Cleared => 0,
+        };
+        if !publishers.contains_key(w) {
+            let p = Publisher::start(client.clone(), PublisherConfig::new(&prefix, w.worker_id, w.dp_rank)).await?;
+            publishers.insert(*w, p);
+        }
+    }
     let queries: Arc<Vec<Vec<u64>>> = Arc::new(
         wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(q.iter().map(|l| l.0).collect()) } else { None }).collect(),
     );
@@ -280,17 +287,35 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let pb = if cfg.progress { indicatif::ProgressBar::new(total_blocks) } else { indicatif::ProgressBar::hidden() };
     let start = Instant::now();
     let mut sent = 0u64;
-    for (worker, mut batch, blocks) in batches {
+    for op in &wl.ops {
+        let Op::Event(w, ev) = op else { continue };
         if cfg.rate > 0.0 {
             let due = start + Duration::from_secs_f64(sent as f64 / cfg.rate);
-            tokio::time::sleep_until(due.into()).await;
+            if due > Instant::now() + Duration::from_micros(200) {
+                tokio::time::sleep_until(due.into()).await;
+            }
         }
-        batch.ts_ns = now_ns();
-        client.publish(format!("{prefix}.events.{worker}"), encode_batch(&batch).into()).await.context("publishing")?;
-        sent += blocks;
-        pb.set_position(sent);
+        let Some(p) = publishers.get(w) else { continue };
+        // Wait for NATS rather than drop: this measures throughput, not loss.
+        p.wait_for_room().await;
+        match ev {
+            WorkerEvent::Stored { parent, blocks } => {
+                p.stored(*parent, blocks);
+                sent += blocks.len() as u64;
+            }
+            WorkerEvent::Removed { hashes } => {
+                p.removed(hashes);
+                sent += hashes.len() as u64;
+            }
+            WorkerEvent::Cleared => p.cleared(),
+        }
+        if sent % 4096 < 64 {
+            pb.set_position(sent);
+        }
     }
-    client.flush().await.context("flushing")?;
+    for p in publishers.values() {
+        p.flush().await;
+    }
     // Sustained rate: until the daemon has applied every block.
     let applied_name = ("kvindex_blocks_applied_total{kind=\"stored\"}", "kvindex_blocks_applied_total{kind=\"removed\"}");
     let text = loop {
@@ -308,8 +333,15 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     done.store(true, Ordering::Relaxed);
     let _ = tokio::task::spawn_blocking(move || router.join()).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let _ = stop_tx.send(());
-    daemon.await.context("daemon task")??;
+    daemon.stop().await?;
+
+    // A new, empty daemon: how long until it has rebuilt the index from the publishers?
+    let restarted = Instant::now();
+    let daemon = Daemon::start(&url, &prefix, cfg.apply_threads).await?;
+    let rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
+    let rebuilt = http_get(&daemon.metrics_addr, "/metrics").await.unwrap_or_default();
+    daemon.stop().await?;
+    let engine_blocks = publishers.values().map(|p| p.len() as u64).sum();
 
     let rtt = rtt.lock();
     Ok(E2eReport {
@@ -324,19 +356,31 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
         lookup_errors: lookup_errors.load(Ordering::Relaxed),
+        rebuild_ms,
+        rebuilt_blocks: sample(&rebuilt, "kvindex_index_blocks") as u64,
+        engine_blocks,
     })
 }
 
 /// The reports as an aligned table.
 pub fn table(rows: &[E2eReport]) -> String {
     let mut s = format!(
-        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12}\n",
-        "offered blk/s", "applied blk/s", "seconds", "lag p50 ms", "lag p99 ms", "lookups/s", "rtt p50 us", "rtt p99 us"
+        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12} {:>11} {:>15}\n",
+        "offered blk/s",
+        "applied blk/s",
+        "seconds",
+        "lag p50 ms",
+        "lag p99 ms",
+        "lookups/s",
+        "rtt p50 us",
+        "rtt p99 us",
+        "rebuild ms",
+        "rebuilt blocks"
     );
     for r in rows {
         let offered = if r.offered_blocks_per_s > 0.0 { format!("{:.0}", r.offered_blocks_per_s) } else { "max".into() };
         s += &format!(
-            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1}\n",
+            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1} {:>11.0} {:>15}\n",
             offered,
             r.sustained_blocks_per_s,
             r.seconds,
@@ -344,7 +388,9 @@ pub fn table(rows: &[E2eReport]) -> String {
             format!("<= {}", r.event_lag_p99_ms),
             r.lookups_per_s,
             r.lookup_rtt_p50_us,
-            r.lookup_rtt_p99_us
+            r.lookup_rtt_p99_us,
+            r.rebuild_ms,
+            format!("{}/{}", r.rebuilt_blocks, r.engine_blocks)
         );
     }
     s
@@ -353,11 +399,6 @@ pub fn table(rows: &[E2eReport]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::StoredBlock;
-
-    fn blocks(n: u64) -> Vec<StoredBlock> {
-        (0..n).map(|i| StoredBlock::new(i, i)).collect()
-    }
 
     #[test]
     fn bucket_quantiles_read_prometheus_text() {
@@ -366,28 +407,5 @@ mod tests {
         assert_eq!(bucket_quantile(text, "x", 0.99), 0.01);
         assert_eq!(bucket_quantile(text, "x", 1.0), 0.1);
         assert_eq!(sample("a{k=\"v\"} 3\nb 4\n", "b"), 4.0);
-    }
-
-    #[test]
-    fn batches_number_events_per_worker() {
-        use crate::hash::{BlockHash, WorkerId};
-        let w = |id| WorkerId::new(id, 0);
-        let wl = Workload {
-            ops: vec![
-                Op::Event(w(1), WorkerEvent::Stored { parent: None, blocks: blocks(3) }),
-                Op::Event(w(2), WorkerEvent::Stored { parent: None, blocks: blocks(1) }),
-                Op::Event(w(1), WorkerEvent::Removed { hashes: vec![BlockHash(2)] }),
-            ],
-            ts_ms: None,
-            lookup_blocks: 0,
-            stored_blocks: 4,
-            removed_blocks: 1,
-            lookups: 0,
-        };
-        let b = batches(&wl, 9);
-        let ids: Vec<(u64, u64, u64)> =
-            b.iter().map(|(w, b, n)| (*w, b.events[0].as_ref().map(|e| e.event_id).unwrap_or(u64::MAX), *n)).collect();
-        assert_eq!(ids, vec![(1, 0, 3), (2, 0, 1), (1, 1, 1)]);
-        assert!(b.iter().all(|(_, b, _)| b.epoch == 9));
     }
 }

@@ -219,6 +219,14 @@ impl Publisher {
         s.push(&mut inner, 32, write_cleared);
     }
 
+    /// Waits until the queue to NATS has room. Engines that would rather wait than drop
+    /// batches (and have them resynced later) call it before reporting.
+    pub async fn wait_for_room(&self) {
+        if self.shared.out.capacity() == 0 {
+            drop(self.shared.out.reserve().await);
+        }
+    }
+
     /// Sends what is pending and waits until NATS has it.
     pub async fn flush(&self) {
         {
