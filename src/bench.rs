@@ -9,7 +9,7 @@ use crate::index::radix::RadixIndex;
 use crate::index::reference::ReferenceIndex;
 use crate::index::{Backend, KvIndex, MatchOptions};
 use crate::stream::StreamOp;
-use crate::trace::TimedOp;
+use crate::trace::{MockConfig, MockEngine, TimedOp, TraceRequest};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use rustc_hash::FxHashMap;
@@ -554,6 +554,123 @@ pub fn sweep_table(points: &[SweepPoint]) -> String {
             si(p.achieved_block_ops_per_s),
             p.lag_p50_us,
             p.lag_p99_us
+        );
+    }
+    s
+}
+
+/// One reading of a churn run: the index's heap after a phase.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct ChurnPoint {
+    pub backend: String,
+    /// `empty`, `pass N` (the trace replayed N times through the same engines), `cleared`
+    /// (every worker sent `cleared`) or `removed` (every worker expired).
+    pub phase: String,
+    /// Blocks stored and removed so far.
+    pub stored_blocks: u64,
+    pub removed_blocks: u64,
+    pub placements: u64,
+    pub index_bytes: i64,
+}
+
+struct Churn<'a> {
+    trace: &'a [TraceRequest],
+    mock: MockConfig,
+    passes: usize,
+    progress: bool,
+}
+
+impl FnOnceIndex<Vec<ChurnPoint>> for Churn<'_> {
+    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> Vec<ChurnPoint> {
+        let mut engine = MockEngine::new(self.mock);
+        let base = alloc::live_bytes();
+        let index = make();
+        let mut writers = FxHashMap::default();
+        let name = index.name().to_string();
+        // Only the bytes allocated while applying count: the engine and the ops are outside.
+        let mut held = alloc::live_bytes() - base;
+        let (mut stored, mut removed) = (0, 0);
+        let mut points = Vec::new();
+        let mut point = |phase: String, index: &I, held: isize, stored: u64, removed: u64| {
+            let placements = index.stats().placements;
+            points.push(ChurnPoint {
+                backend: name.clone(),
+                phase,
+                stored_blocks: stored,
+                removed_blocks: removed,
+                placements,
+                index_bytes: held as i64,
+            });
+        };
+        point("empty".into(), &index, held, 0, 0);
+        let pb = progress(self.progress, self.passes as u64 * self.trace.len() as u64, format!("{} churn", index.name()));
+        for pass in 1..=self.passes {
+            let mut out = Vec::new();
+            for r in self.trace {
+                engine.request(r, &mut out);
+            }
+            let wl = Workload::from_timed(out);
+            stored += wl.stored_blocks;
+            removed += wl.removed_blocks;
+            let before = alloc::live_bytes();
+            for op in &wl.ops {
+                if let Op::Event(w, ev) = op {
+                    apply_event(&index, &mut writers, *w, ev);
+                }
+            }
+            held += alloc::live_bytes() - before;
+            drop(wl);
+            pb.set_position(pass as u64 * self.trace.len() as u64);
+            point(format!("pass {pass}"), &index, held, stored, removed);
+        }
+        pb.finish_and_clear();
+        let before = alloc::live_bytes();
+        for w in writers.values_mut() {
+            index.clear(w);
+        }
+        held += alloc::live_bytes() - before;
+        point("cleared".into(), &index, held, stored, removed);
+        let before = alloc::live_bytes();
+        for (_, w) in writers.drain() {
+            index.remove_worker(w);
+        }
+        held += alloc::live_bytes() - before;
+        point("removed".into(), &index, held, stored, removed);
+        points
+    }
+}
+
+/// Replays `trace` `passes` times through the same mock engines (constant store/remove
+/// churn once their caches are full), then clears and removes every worker, reading the
+/// index's heap after each phase. Needs the counting allocator (`alloc::enable`).
+pub fn churn(
+    trace: &[TraceRequest],
+    mock: MockConfig,
+    backends: &[Backend],
+    jump: usize,
+    passes: usize,
+    progress: bool,
+) -> Vec<ChurnPoint> {
+    backends.iter().flat_map(|&b| with_backend(b, jump, Churn { trace, mock, passes, progress })).collect()
+}
+
+/// The churn readings as an aligned text table.
+pub fn churn_table(points: &[ChurnPoint]) -> String {
+    let mut s = format!(
+        "{:<11} {:<8} {:>14} {:>14} {:>11} {:>11} {:>9}\n",
+        "backend", "phase", "stored blocks", "removed blocks", "placements", "index MiB", "B/place"
+    );
+    for p in points {
+        let per = if p.placements > 0 { format!("{:.1}", p.index_bytes as f64 / p.placements as f64) } else { "-".into() };
+        s += &format!(
+            "{:<11} {:<8} {:>14} {:>14} {:>11} {:>11.2} {:>9}\n",
+            p.backend,
+            p.phase,
+            p.stored_blocks,
+            p.removed_blocks,
+            p.placements,
+            p.index_bytes as f64 / (1 << 20) as f64,
+            per
         );
     }
     s

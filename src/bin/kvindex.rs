@@ -1,6 +1,6 @@
 //! The `kvindex` command line: a thin layer over the library.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use kvindex::bench::{self, BenchConfig, Mode, Workload};
 use kvindex::config::{Config, Overrides};
@@ -98,6 +98,10 @@ struct BenchArgs {
     /// Timeline compression factors of --sweep.
     #[arg(long, value_delimiter = ',', default_value = "500,1000,2000,4000,8000")]
     speedups: Vec<f64>,
+    /// Instead of the modes: replay the trace this many times through the same engines
+    /// (constant churn), then clear and expire every worker; report the index's memory after each.
+    #[arg(long)]
+    churn: Option<usize>,
     /// Run each backend this many times and report each mode's best run.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
@@ -253,6 +257,20 @@ async fn shutdown_signal() {
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
     kvindex::alloc::enable();
+    if let Some(passes) = a.churn {
+        if a.source.stream.is_some() {
+            bail!("--churn replays a trace through the mock engine; it does not take --stream");
+        }
+        let mut trace = trace::read_trace_file(&a.source.trace)?;
+        trace.truncate(a.source.requests.unwrap_or(usize::MAX));
+        let points = bench::churn(&trace, a.source.mock(), &a.backends, a.jump, passes, !a.no_progress && !a.json);
+        if a.json {
+            println!("{}", serde_json::to_string_pretty(&points)?);
+        } else {
+            print!("{}", bench::churn_table(&points));
+        }
+        return Ok(());
+    }
     let wl = a.source.load()?;
     eprintln!(
         "workload: {} ops, {} lookups; blocks: {} lookup + {} stored + {} removed = {} block ops",

@@ -8,6 +8,7 @@ use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::RwLock;
 use rustc_hash::FxHashMap;
 use std::cell::RefCell;
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicI64, Ordering};
 
 type NodeId = u32;
@@ -18,7 +19,7 @@ struct Node {
     parent: NodeId,
     depth: u32,
     children: u32,
-    /// False once the node is freed (its id may be pruned again by a stale reference).
+    /// False once the node is freed.
     live: bool,
     local: u64,
     set: WorkerSet,
@@ -27,7 +28,9 @@ struct Node {
 #[derive(Default)]
 struct Tree {
     nodes: Vec<Node>,
-    free: Vec<NodeId>,
+    /// Freed ids, reused lowest first so live nodes gather at the front and the tail can be
+    /// given back (see `trim`).
+    free: BTreeSet<NodeId>,
     children: FxHashMap<(NodeId, u64), NodeId>,
     spill: Spill<NodeId>,
 }
@@ -39,7 +42,7 @@ impl Tree {
         }
         let node =
             Node { parent, depth: self.nodes[parent as usize].depth + 1, children: 0, live: true, local, set: WorkerSet::EMPTY };
-        let id = match self.free.pop() {
+        let id = match self.free.pop_first() {
             Some(id) => {
                 self.nodes[id as usize] = node;
                 id
@@ -57,15 +60,31 @@ impl Tree {
     /// Frees `id` and its ancestors while they hold no worker and have no children.
     fn prune(&mut self, mut id: NodeId) {
         while id != ROOT {
-            let n = self.nodes[id as usize];
+            let Some(&n) = self.nodes.get(id as usize) else { return };
             if !n.live || !n.set.is_empty() || n.children > 0 {
                 return;
             }
             self.nodes[id as usize].live = false;
             self.children.remove(&(n.parent, n.local));
             self.nodes[n.parent as usize].children -= 1;
-            self.free.push(id);
+            self.free.insert(id);
             id = n.parent;
+        }
+    }
+
+    /// Gives memory back after removals: drops freed nodes at the end of the node array and
+    /// shrinks the arrays once they are mostly empty, so churn keeps memory flat and an
+    /// emptied index returns to its empty size.
+    fn trim(&mut self) {
+        while self.nodes.len() > 1 && self.nodes.last().is_some_and(|n| !n.live) {
+            self.free.remove(&((self.nodes.len() - 1) as NodeId));
+            self.nodes.pop();
+        }
+        if self.nodes.capacity() > 1024 && self.nodes.len() < self.nodes.capacity() / 4 {
+            self.nodes.shrink_to(self.nodes.len() * 2);
+        }
+        if self.children.capacity() > 1024 && self.children.len() < self.children.capacity() / 4 {
+            self.children.shrink_to(self.children.len() * 2);
         }
     }
 }
@@ -190,6 +209,7 @@ impl KvIndex for RadixIndex {
         }
         // A chain that stopped early may leave empty nodes behind.
         tree.prune(node);
+        tree.trim();
         self.placements.fetch_add(out.stored as i64, Ordering::Relaxed);
         out
     }
@@ -207,6 +227,7 @@ impl KvIndex for RadixIndex {
                 None => out.unknown_removes += 1,
             }
         }
+        tree.trim();
         drop(tree);
         if w.blocks.capacity() > 64 && w.blocks.len() < w.blocks.capacity() / 4 {
             w.blocks.shrink_to(w.blocks.len() * 2);
@@ -225,6 +246,7 @@ impl KvIndex for RadixIndex {
         for (_, &node) in w.blocks.iter() {
             tree.prune(node);
         }
+        tree.trim();
         let removed = w.blocks.len() as u64;
         w.blocks = FxHashMap::default();
         w.aliases = FxHashMap::default();
