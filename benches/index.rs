@@ -1,5 +1,6 @@
-//! Criterion micro-benchmarks of the index's hot paths: store a chain, remove one, look up a
-//! prefix, for the positional and radix backends. `kvindex bench` measures whole replays.
+//! Criterion micro-benchmarks of the hot paths: store a chain, remove one, look up a prefix,
+//! for the positional and radix backends; and decoding an event batch off the wire.
+//! `kvindex bench` measures whole replays.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
@@ -86,9 +87,43 @@ fn bench_backend<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
     g.finish();
 }
 
+/// A publisher's full batch: 256 events, three stores of 16-block chains to one removal.
+fn bench_decode(c: &mut Criterion) {
+    use kvindex::protocol::{decode_batch, encode_batch, EventBatch, EventData, KvEvent};
+    let chains = chains(64);
+    let events: Vec<_> = (0..256u64)
+        .map(|i| {
+            let c = &chains[i as usize % 64];
+            let data = if i % 4 == 3 {
+                EventData::Removed { hashes: c[..16].iter().map(|b| b.block_hash).collect() }
+            } else {
+                let k = (i as usize % 14) * 16;
+                EventData::Stored { parent: Some(c[k].block_hash), blocks: c[k + 1..k + 17].to_vec(), tier: Default::default() }
+            };
+            Ok(KvEvent { event_id: i, data })
+        })
+        .collect();
+    let batch = EventBatch {
+        worker_id: 3,
+        dp_rank: 0,
+        epoch: 1,
+        ts_ns: 1,
+        snapshot: false,
+        snapshot_end: false,
+        next_event_id: Some(256),
+        events,
+    };
+    let bytes = encode_batch(&batch);
+    let mut g = c.benchmark_group("protocol");
+    g.throughput(Throughput::Elements(256 * 16));
+    g.bench_function("decode_batch_4096_blocks", |b| b.iter(|| decode_batch(black_box(&bytes))));
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
     bench_backend(c, || PositionalIndex::new(PositionalConfig::default()));
     bench_backend(c, || RadixIndex::new(1 << 16, 1 << 16));
+    bench_decode(c);
 }
 
 criterion_group! {

@@ -142,6 +142,7 @@ impl<'a> Rd<'a> {
         Rd { buf, pos: 0 }
     }
 
+    #[inline]
     fn take(&mut self, n: usize) -> Option<&'a [u8]> {
         let end = self.pos.checked_add(n)?;
         let s = self.buf.get(self.pos..end)?;
@@ -149,11 +150,20 @@ impl<'a> Rd<'a> {
         Some(s)
     }
 
+    /// A big-endian unsigned integer of `n` (1, 2, 4 or 8) bytes.
+    #[inline]
     fn be(&mut self, n: usize) -> Option<u64> {
-        Some(self.take(n)?.iter().fold(0u64, |acc, &b| (acc << 8) | b as u64))
+        let b = self.take(n)?;
+        Some(match n {
+            1 => b[0] as u64,
+            2 => u16::from_be_bytes(b.try_into().ok()?) as u64,
+            4 => u32::from_be_bytes(b.try_into().ok()?) as u64,
+            _ => u64::from_be_bytes(b.try_into().ok()?),
+        })
     }
 
     /// Reads the head of the next value (and a string's bytes); containers' items follow.
+    #[inline]
     fn head(&mut self) -> Option<Head<'a>> {
         let m = *self.take(1)?.first()?;
         Some(match m {
@@ -229,6 +239,16 @@ impl<'a> Rd<'a> {
         Some(())
     }
 
+    /// A hash, unsigned or signed; `None` (and the value not consumed whole) for anything else.
+    #[inline]
+    fn hash(&mut self) -> Option<u64> {
+        match self.head()? {
+            Head::Uint(u) => Some(u),
+            Head::Int(i) => Some(i as u64),
+            _ => None,
+        }
+    }
+
     /// The bytes of the next whole value.
     fn value(&mut self) -> Option<&'a [u8]> {
         let start = self.pos;
@@ -246,29 +266,30 @@ fn hash(v: &[u8]) -> Option<u64> {
     }
 }
 
-/// Calls `f(key, value bytes)` for each entry of a map with string keys, or for each item of
-/// an array with `names[i]` as its key. `None` if `v` is neither or is malformed.
-fn fields<'a>(v: &'a [u8], names: &[&'static str], mut f: impl FnMut(&[u8], &'a [u8])) -> Option<()> {
-    let mut rd = Rd::new(v);
+/// Reads the map with string keys, or the array whose items are named by `names`, at `rd`,
+/// in place: `f(key, rd)` gets `rd` at each value and must consume exactly that value
+/// (reading or skipping it). `None` if it is neither, or is malformed.
+fn fields<'a>(rd: &mut Rd<'a>, names: &[&'static str], mut f: impl FnMut(&[u8], &mut Rd<'a>) -> Option<()>) -> Option<()> {
     match rd.head()? {
         Head::Map(n) => {
             for _ in 0..n {
+                let start = rd.pos;
                 let key = match rd.head()? {
                     Head::Str(k) => k,
                     _ => {
+                        rd.pos = start;
                         rd.skip()?;
                         &[][..]
                     }
                 };
-                let val = rd.value()?;
-                f(key, val);
+                f(key, rd)?;
             }
         }
         Head::Array(n) => {
             for i in 0..n {
-                let val = rd.value()?;
-                if let Some(name) = names.get(i) {
-                    f(name.as_bytes(), val);
+                match names.get(i) {
+                    Some(name) => f(name.as_bytes(), rd)?,
+                    None => rd.skip()?,
                 }
             }
         }
@@ -281,37 +302,67 @@ fn is_nil(v: &[u8]) -> bool {
     v == [0xc0]
 }
 
-fn decode_blocks(v: &[u8]) -> Option<Vec<StoredBlock>> {
-    let mut rd = Rd::new(v);
-    let Head::Array(n) = rd.head()? else { return None };
-    let mut out = Vec::with_capacity(n.min(v.len()));
-    for _ in 0..n {
-        let (mut b, mut t) = (None, None);
-        fields(rd.value()?, &["block_hash", "tokens_hash"], |k, v| match k {
-            b"block_hash" => b = hash(v),
-            b"tokens_hash" => t = hash(v),
-            _ => {}
-        })?;
-        out.push(StoredBlock::new(b?, t?));
+/// Runs `parse` at `rd`; if it fails, skips the whole value instead, so the caller can go on
+/// with its siblings. `None` only if the value cannot even be skipped (truncated input).
+fn or_skip<'a, T, E>(rd: &mut Rd<'a>, parse: impl FnOnce(&mut Rd<'a>) -> Result<T, E>) -> Option<Result<T, E>> {
+    let start = rd.pos;
+    let r = parse(rd);
+    if r.is_err() {
+        rd.pos = start;
+        rd.skip()?;
     }
-    Some(out)
+    Some(r)
 }
 
-fn decode_stored(v: &[u8]) -> Result<EventData, DecodeError> {
+fn read_blocks(rd: &mut Rd<'_>) -> Result<Vec<StoredBlock>, ()> {
+    let Some(Head::Array(n)) = rd.head() else { return Err(()) };
+    let mut out = Vec::with_capacity(n.min(rd.buf.len()));
+    for _ in 0..n {
+        // The pair form [block_hash, tokens_hash], as publishers send it, or a map.
+        let start = rd.pos;
+        match rd.head() {
+            Some(Head::Array(2)) => match (rd.hash(), rd.hash()) {
+                (Some(b), Some(t)) => out.push(StoredBlock::new(b, t)),
+                _ => return Err(()),
+            },
+            Some(Head::Map(_)) => {
+                rd.pos = start;
+                let (mut b, mut t) = (None, None);
+                fields(rd, &[], |k, rd| {
+                    match k {
+                        b"block_hash" => b = rd.hash(),
+                        b"tokens_hash" => t = rd.hash(),
+                        _ => rd.skip()?,
+                    }
+                    Some(())
+                })
+                .ok_or(())?;
+                out.push(StoredBlock::new(b.ok_or(())?, t.ok_or(())?));
+            }
+            _ => return Err(()),
+        }
+    }
+    Ok(out)
+}
+
+fn read_stored(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
     let (mut parent, mut blocks, mut tier) = (None, None, None);
-    fields(v, &["parent_hash", "blocks", "tier"], |k, v| match k {
-        b"parent_hash" => parent = Some(v),
-        b"blocks" => blocks = Some(v),
-        b"tier" => tier = Some(v),
-        _ => {}
+    fields(rd, &["parent_hash", "blocks", "tier"], |k, rd| {
+        match k {
+            b"parent_hash" => parent = Some(rd.value()?),
+            b"blocks" => blocks = Some(or_skip(rd, read_blocks)?),
+            b"tier" => tier = Some(rd.value()?),
+            _ => rd.skip()?,
+        }
+        Some(())
     })
     .ok_or(DecodeError::BadStored)?;
     let parent = match parent {
         None => None,
         Some(p) if is_nil(p) => None,
-        Some(p) => Some(BlockHash(hash(p).ok_or(DecodeError::BadStored)?)),
+        Some(p) => Some(BlockHash(Rd::new(p).hash().ok_or(DecodeError::BadStored)?)),
     };
-    let blocks = blocks.and_then(decode_blocks).ok_or(DecodeError::BadStored)?;
+    let blocks = blocks.and_then(Result::ok).ok_or(DecodeError::BadStored)?;
     let tier = match tier {
         None => Tier::Device,
         Some(t) if is_nil(t) => Tier::Device,
@@ -325,67 +376,72 @@ fn decode_stored(v: &[u8]) -> Result<EventData, DecodeError> {
     Ok(EventData::Stored { parent, blocks, tier })
 }
 
-fn decode_removed(v: &[u8]) -> Result<EventData, DecodeError> {
-    let mut list = None;
-    fields(v, &["block_hashes"], |k, v| {
-        if k == b"block_hashes" {
-            list = Some(v);
+fn read_hashes(rd: &mut Rd<'_>) -> Result<Vec<BlockHash>, ()> {
+    let Some(Head::Array(n)) = rd.head() else { return Err(()) };
+    (0..n).map(|_| rd.hash().map(BlockHash).ok_or(())).collect()
+}
+
+fn read_removed(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
+    let mut hashes = None;
+    fields(rd, &["block_hashes"], |k, rd| {
+        match k {
+            b"block_hashes" => hashes = Some(or_skip(rd, read_hashes)?),
+            _ => rd.skip()?,
         }
+        Some(())
     })
     .ok_or(DecodeError::BadRemoved)?;
-    let hashes = (|| {
-        let mut rd = Rd::new(list?);
-        let Head::Array(n) = rd.head()? else { return None };
-        (0..n).map(|_| hash(rd.value()?).map(BlockHash)).collect::<Option<Vec<_>>>()
-    })()
-    .ok_or(DecodeError::BadRemoved)?;
+    let hashes = hashes.and_then(Result::ok).ok_or(DecodeError::BadRemoved)?;
     Ok(EventData::Removed { hashes })
 }
 
-/// Decodes one event, `{event_id, data}` or `[event_id, data]`, from its bytes.
-pub fn decode_event(v: &[u8]) -> Result<KvEvent, DecodeError> {
-    let (mut id, mut data) = (None, None);
-    let mut rd = Rd::new(v);
+/// An event's `data`: `"cleared"`, or a map of one kind to its body.
+fn read_data(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
     match rd.head() {
-        Some(Head::Map(_)) => {}
-        Some(Head::Array(2)) => {}
+        Some(Head::Str(b"cleared")) => Ok(EventData::Cleared),
+        Some(Head::Map(1)) => match rd.head() {
+            Some(Head::Str(b"stored")) => read_stored(rd),
+            Some(Head::Str(b"removed")) => read_removed(rd),
+            Some(Head::Str(b"cleared")) => rd.skip().map(|_| EventData::Cleared).ok_or(DecodeError::BadEvent),
+            _ => Err(DecodeError::UnknownKind),
+        },
+        Some(Head::Str(_)) | Some(Head::Map(_)) => Err(DecodeError::UnknownKind),
+        _ => Err(DecodeError::BadEvent),
+    }
+}
+
+fn read_event(rd: &mut Rd<'_>) -> Result<KvEvent, DecodeError> {
+    let start = rd.pos;
+    match rd.head() {
+        Some(Head::Map(_)) | Some(Head::Array(2)) => rd.pos = start,
         _ => return Err(DecodeError::BadEvent),
     }
-    fields(v, &["event_id", "data"], |k, v| match k {
-        b"event_id" => id = Some(v),
-        b"data" => data = Some(v),
-        _ => {}
+    let (mut id, mut data) = (None, None);
+    fields(rd, &["event_id", "data"], |k, rd| {
+        match k {
+            b"event_id" => id = Some(rd.value()?),
+            b"data" => data = Some(or_skip(rd, read_data)?),
+            _ => rd.skip()?,
+        }
+        Some(())
     })
     .ok_or(DecodeError::BadEvent)?;
     let event_id = match id.and_then(|i| Rd::new(i).head()) {
         Some(Head::Uint(u)) => u,
         _ => return Err(DecodeError::BadEventId),
     };
-    let data = data.ok_or(DecodeError::BadEvent)?;
-    let mut rd = Rd::new(data);
-    let data = match rd.head() {
-        Some(Head::Str(b"cleared")) => EventData::Cleared,
-        Some(Head::Map(1)) => {
-            let kind = rd.head();
-            let body = rd.value().ok_or(DecodeError::BadEvent)?;
-            match kind {
-                Some(Head::Str(b"stored")) => decode_stored(body)?,
-                Some(Head::Str(b"removed")) => decode_removed(body)?,
-                Some(Head::Str(b"cleared")) => EventData::Cleared,
-                _ => return Err(DecodeError::UnknownKind),
-            }
-        }
-        Some(Head::Str(_)) | Some(Head::Map(_)) => return Err(DecodeError::UnknownKind),
-        _ => return Err(DecodeError::BadEvent),
-    };
+    let data = data.ok_or(DecodeError::BadEvent)??;
     Ok(KvEvent { event_id, data })
 }
 
-/// Decodes a batch (map, or the array `[worker_id, dp_rank, epoch, ts_ns, snapshot, events,
-/// snapshot_end]` with trailing fields optional). Errors only if the envelope is unusable.
+/// Decodes one event, `{event_id, data}` or `[event_id, data]`, from its bytes.
+pub fn decode_event(v: &[u8]) -> Result<KvEvent, DecodeError> {
+    read_event(&mut Rd::new(v))
+}
+
+/// Decodes a batch in one pass over its bytes. The envelope must be valid; each event
+/// decodes on its own, so a bad one is reported while its siblings are kept.
 pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
-    let mut whole = Rd::new(bytes);
-    let top = whole.value().ok_or(DecodeError::NotMsgpack)?;
     let mut b = EventBatch {
         worker_id: 0,
         dp_rank: 0,
@@ -396,7 +452,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         next_event_id: None,
         events: Vec::new(),
     };
-    let (mut worker, mut events, mut bad) = (None, None, false);
+    let (mut worker, mut bad) = (None, false);
     let uint = |v: &[u8], bad: &mut bool| match Rd::new(v).head() {
         Some(Head::Uint(u)) => u,
         Some(Head::Nil) => 0,
@@ -414,32 +470,49 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         }
     };
     let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id"];
-    fields(top, &names, |k, v| match k {
-        b"worker_id" => worker = hash(v),
-        b"dp_rank" => match u32::try_from(uint(v, &mut bad)) {
-            Ok(r) => b.dp_rank = r,
-            Err(_) => bad = true,
-        },
-        b"epoch" => b.epoch = uint(v, &mut bad),
-        b"ts_ns" => b.ts_ns = uint(v, &mut bad),
-        b"snapshot" => b.snapshot = flag(v, &mut bad),
-        b"snapshot_end" => b.snapshot_end = flag(v, &mut bad),
-        b"events" => events = Some(v),
-        b"next_event_id" if !is_nil(v) => b.next_event_id = Some(uint(v, &mut bad)),
-        _ => {}
-    })
-    .ok_or(DecodeError::BadBatch)?;
+    let mut rd = Rd::new(bytes);
+    let read = fields(&mut rd, &names, |k, rd| {
+        if k == b"events" {
+            let start = rd.pos;
+            match rd.head()? {
+                Head::Nil => {}
+                Head::Array(n) => {
+                    b.events.reserve(n.min(bytes.len()));
+                    for _ in 0..n {
+                        b.events.push(or_skip(rd, read_event)?);
+                    }
+                }
+                _ => {
+                    bad = true;
+                    rd.pos = start;
+                    rd.skip()?;
+                }
+            }
+            return Some(());
+        }
+        let v = rd.value()?;
+        match k {
+            b"worker_id" => worker = hash(v),
+            b"dp_rank" => match u32::try_from(uint(v, &mut bad)) {
+                Ok(r) => b.dp_rank = r,
+                Err(_) => bad = true,
+            },
+            b"epoch" => b.epoch = uint(v, &mut bad),
+            b"ts_ns" => b.ts_ns = uint(v, &mut bad),
+            b"snapshot" => b.snapshot = flag(v, &mut bad),
+            b"snapshot_end" => b.snapshot_end = flag(v, &mut bad),
+            b"next_event_id" if !is_nil(v) => b.next_event_id = Some(uint(v, &mut bad)),
+            _ => {}
+        }
+        Some(())
+    });
+    if read.is_none() {
+        // Truncated or not msgpack at all, or msgpack but not a batch.
+        return Err(if Rd::new(bytes).value().is_none() { DecodeError::NotMsgpack } else { DecodeError::BadBatch });
+    }
     b.worker_id = worker.ok_or(DecodeError::BadBatch)?;
     if bad {
         return Err(DecodeError::BadBatch);
-    }
-    if let Some(ev) = events.filter(|e| !is_nil(e)) {
-        let mut rd = Rd::new(ev);
-        let Some(Head::Array(n)) = rd.head() else { return Err(DecodeError::BadBatch) };
-        b.events.reserve(n.min(ev.len()));
-        for _ in 0..n {
-            b.events.push(decode_event(rd.value().ok_or(DecodeError::NotMsgpack)?));
-        }
     }
     Ok(b)
 }
@@ -772,6 +845,29 @@ mod tests {
                 data: EventData::Stored { parent: None, blocks: vec![StoredBlock::new(u64::MAX, 3)], tier: Tier::Host }
             })]
         );
+    }
+
+    #[test]
+    fn map_form_blocks_in_any_key_order_with_unknown_keys() {
+        let block = Value::Map(vec![
+            ("note".into(), Value::Array(vec![1.into(), Value::Map(vec![("x".into(), 2.into())])])),
+            ("tokens_hash".into(), 8.into()),
+            ("block_hash".into(), 7.into()),
+        ]);
+        let body = Value::Map(vec![("blocks".into(), Value::Array(vec![block])), ("parent_hash".into(), 6.into())]);
+        let ev = Value::Map(vec![
+            ("data".into(), Value::Map(vec![("stored".into(), body)])),
+            ("event_id".into(), 3.into()),
+            ("trace".into(), "abc".into()),
+        ]);
+        let batch = Value::Map(vec![
+            ("events".into(), Value::Array(vec![ev])),
+            ("next_event_id".into(), 4.into()),
+            ("worker_id".into(), 1.into()),
+        ]);
+        let b = decode_batch(&enc(batch)).unwrap();
+        assert_eq!(b.next_event_id, Some(4));
+        assert_eq!(b.events, vec![Ok(KvEvent::stored(3, Some(6), &[(7, 8)]))]);
     }
 
     #[test]
