@@ -599,8 +599,7 @@ async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedR
         }
         for w in due {
             let Some(mut r) = state.stale.get_mut(&w) else { continue };
-            let wait = base.saturating_mul(1 << r.attempts.saturating_sub(1).min(16)).min(max);
-            if r.asked.is_some_and(|t| now.duration_since(t) < wait) {
+            if r.asked.is_some_and(|t| now.duration_since(t) < resync_wait(base, max, r.attempts)) {
                 continue;
             }
             r.asked = Some(now);
@@ -622,6 +621,12 @@ async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedR
             });
         }
     }
+}
+
+/// How long to wait after the `attempts`-th unanswered resync request before the next:
+/// `base`, doubling each time, at most `max`.
+fn resync_wait(base: Duration, max: Duration, attempts: u32) -> Duration {
+    base.saturating_mul(1 << attempts.saturating_sub(1).min(16)).min(max)
 }
 
 /// Keeps `/readyz` and `kvindex_ready` current.
@@ -706,5 +711,18 @@ async fn http_server<I: KvIndex>(listener: tokio::net::TcpListener, state: Arc<S
         );
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!("metrics server stopped: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resync_requests_back_off_doubling_up_to_the_cap() {
+        let s = Duration::from_secs;
+        let waits: Vec<u64> = (1..=7).map(|a| resync_wait(s(1), s(30), a).as_secs()).collect();
+        assert_eq!(waits, vec![1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(resync_wait(s(5), s(5), 40), s(5));
     }
 }

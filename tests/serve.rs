@@ -327,3 +327,50 @@ async fn the_binary_applies_what_it_has_and_exits_zero_on_sigterm() {
     let log = d.log_text();
     assert!(log.contains("shutting down") && log.contains("kvindex stopped"), "log:\n{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
+    let nats = NatsServer::start();
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    let mut broadcasts = c.subscribe("t.resync").await.unwrap();
+    c.flush().await.unwrap();
+    let env = [("READY_SETTLE_MS", "200"), ("READY_TIMEOUT", "3")];
+    let mut d = support::process::DaemonProcess::start(&nats.url(), &[], &env);
+    let started = std::time::Instant::now();
+
+    // A publisher answers the start-up broadcast with a snapshot it never finishes.
+    use futures::StreamExt;
+    tokio::time::timeout(std::time::Duration::from_secs(10), broadcasts.next()).await.expect("a broadcast resync").unwrap();
+    let mut open = batch(1, 1, vec![KvEvent { event_id: 0, data: EventData::Cleared }, stored(1, None, &chain(100, &[1, 2]))]);
+    open.snapshot = true;
+    publish(&c, 1, &open).await;
+    tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+    let (code, body) = support::http_get(&d.metrics_addr, "/readyz").await.unwrap();
+    assert_eq!((code, body.trim()), (503, "rebuilding the index from publishers' snapshots"));
+    assert_eq!(d.metric("kvindex_ready").await, 0.0);
+
+    // Ready at ready_timeout all the same, and the log says why.
+    d.wait_ready(10).await;
+    assert!(started.elapsed() >= std::time::Duration::from_secs(3));
+    assert!(d.log_text().contains("ready after ready_timeout"), "log:\n{}", d.log_text());
+    assert_eq!(d.metric("kvindex_snapshots_total{result=\"begun\"}").await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unanswered_resync_requests_are_counted_and_repeated() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // Worker 4 skips event ids and has no publisher to answer the resync.
+    publish(&c, 4, &batch(4, 1, vec![stored(0, None, &chain(100, &[1]))])).await;
+    publish(&c, 4, &batch(4, 1, vec![stored(5, Some(100), &chain(101, &[2]))])).await;
+    let asked = eventually(10, || async {
+        let n = d.metric("kvindex_resync_unanswered_total").await;
+        (n >= 2.0).then_some(n)
+    })
+    .await;
+    assert!(asked.is_some(), "resync requests were not repeated");
+    assert!(d.metric("kvindex_resync_requests_total{scope=\"worker\"}").await >= 2.0);
+    assert_eq!(d.metric("kvindex_stale_workers").await, 1.0);
+    expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(4, 2, true)]).await;
+}

@@ -175,7 +175,10 @@ struct GenArgs {
 fn main() -> Result<()> {
     let cli = Cli::parse();
     let json = matches!(&cli.cmd, Command::Serve(a) if a.log_json);
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    // The daemon logs its own lifecycle; the benchmarks print tables and log only trouble.
+    // RUST_LOG overrides either.
+    let default = if matches!(cli.cmd, Command::Serve(_)) { "info,async_nats=warn" } else { "warn" };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
     let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if json {
         logs.json().init();
