@@ -335,7 +335,7 @@ async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
     let mut broadcasts = c.subscribe("t.resync").await.unwrap();
     c.flush().await.unwrap();
     let env = [("READY_SETTLE_MS", "200"), ("READY_TIMEOUT", "3")];
-    let mut d = support::process::DaemonProcess::start(&nats.url(), &[], &env);
+    let d = support::process::DaemonProcess::start(&nats.url(), &[], &env);
     let started = std::time::Instant::now();
 
     // A publisher answers the start-up broadcast with a snapshot it never finishes.
