@@ -871,6 +871,17 @@ mod tests {
     }
 
     #[test]
+    fn lengths_that_lie_cost_nothing() {
+        // Arrays that claim 2^32-1 items and hold one: rejected without reserving for the claim.
+        let liar = [0xdd, 0xff, 0xff, 0xff, 0xff, 0x01];
+        let removed =
+            [&[0x82, 0xa8][..], b"event_id", &[0x01, 0xa4], b"data", &[0x81, 0xa7], b"removed", &[0x91], &liar].concat();
+        assert_eq!(decode_event(&removed), Err(DecodeError::BadEvent));
+        let batch = [&[0x82, 0xa9][..], b"worker_id", &[0x01, 0xa6], b"events", &liar].concat();
+        assert_eq!(decode_batch(&batch), Err(DecodeError::NotMsgpack));
+    }
+
+    #[test]
     fn unusable_envelopes_are_errors() {
         assert_eq!(decode_batch(&[]), Err(DecodeError::NotMsgpack));
         assert_eq!(decode_batch(&[0x81]), Err(DecodeError::NotMsgpack));
