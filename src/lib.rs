@@ -8,7 +8,7 @@
 //! - [`index`]: the [`index::KvIndex`] trait and its backends (positional, radix, reference).
 //! - [`protocol`]: wire protocol v1 (msgpack): event batches, lookup requests and answers.
 //! - [`publisher`]: the engine side: block set, batching, heartbeats, snapshots on resync.
-//! - [`service`]: `kvindex serve`: NATS ingest, lookups, resync, TTL, metrics over HTTP.
+//! - [`service`]: `kvindex serve`: NATS ingest, lookups, recovery (resync, readiness, TTL), HTTP.
 //! - [`config`]: layered configuration (defaults, file, environment, flags).
 //! - [`metrics`]: the Prometheus metrics.
 //! - [`apply`]: the apply pool: one thread owns each worker's writes, queues are bounded.

@@ -1,0 +1,58 @@
+//! The HTTP side: Prometheus text on `/metrics`, `/healthz`, `/readyz`.
+
+use super::State;
+use crate::apply::ApplyPool;
+use crate::index::KvIndex;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> String {
+    let m = &state.metrics;
+    let stats = index.stats();
+    m.index_placements.set(stats.placements as i64);
+    m.index_entries.set(stats.entries as i64);
+    m.index_workers.set(stats.workers as i64);
+    for (t, depth) in pool.queue_depths().into_iter().enumerate() {
+        m.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);
+    }
+    m.render()
+}
+
+pub(super) async fn http_server<I: KvIndex>(
+    listener: tokio::net::TcpListener,
+    state: Arc<State>,
+    index: Arc<I>,
+    pool: Arc<ApplyPool<I>>,
+) {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    let metrics_state = state.clone();
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let (state, index, pool) = (metrics_state.clone(), index.clone(), pool.clone());
+                async move {
+                    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics_text(&state, &*index, &pool))
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let ready = state.ready.load(Ordering::Relaxed);
+                let connected = state.connected.load(Ordering::Relaxed);
+                async move {
+                    match (ready, connected) {
+                        (true, _) => (StatusCode::OK, "ready\n"),
+                        (false, false) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n"),
+                        (false, true) => (StatusCode::SERVICE_UNAVAILABLE, "rebuilding the index from publishers' snapshots\n"),
+                    }
+                }
+            }),
+        );
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!("metrics server stopped: {e}");
+    }
+}

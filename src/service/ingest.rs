@@ -1,0 +1,164 @@
+//! Event batches in: decoding, the subject's authority, each worker's event sequence
+//! (duplicates, gaps, epochs, snapshots), and the hand-off to the apply pool.
+
+use super::State;
+use crate::apply::{ApplyPool, WorkerEvent};
+use crate::hash::WorkerId;
+use crate::index::KvIndex;
+use crate::protocol::{decode_batch, EventData, Tier};
+use std::time::Instant;
+
+/// Where a worker's event sequence stands.
+pub(super) struct Cursor {
+    epoch: u64,
+    /// The event id expected next; `None` until the first event of an epoch.
+    next_id: Option<u64>,
+    pub(super) last_seen: Instant,
+    /// A snapshot opened with `cleared` and has had no gap since.
+    snapshot_clean: bool,
+}
+
+/// Applies one message from `{prefix}.events.{worker_id}`.
+pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
+    let m = &state.metrics;
+    let Some(subject_id) = subject.strip_prefix(state.events_prefix.as_str()).and_then(|s| s.parse::<u64>().ok()) else {
+        state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id"));
+        return;
+    };
+    let batch = match decode_batch(payload) {
+        Ok(b) => b,
+        Err(e) => {
+            state.fail(e.reason(), || format!("dropped a message from worker {subject_id}: {e}"));
+            return;
+        }
+    };
+    m.batches_received.inc();
+    if batch.worker_id != subject_id {
+        state.fail("worker_mismatch", || {
+            format!("dropped a batch for worker {} sent on the subject of worker {subject_id}", batch.worker_id)
+        });
+        return;
+    }
+    let w = WorkerId::new(batch.worker_id, batch.dp_rank);
+    let mut out = Vec::with_capacity(batch.events.len() + 1);
+    let mut cursors = state.cursors.lock();
+    let c = cursors.entry(w).or_insert(Cursor {
+        epoch: batch.epoch,
+        next_id: None,
+        last_seen: Instant::now(),
+        snapshot_clean: false,
+    });
+    c.last_seen = Instant::now();
+    if c.epoch != batch.epoch {
+        // The publisher restarted: whatever it held before is gone.
+        m.epochs_changed.inc();
+        tracing::info!(worker = %w, old = c.epoch, new = batch.epoch, "publisher restarted with a new epoch; clearing the worker");
+        *c = Cursor { epoch: batch.epoch, next_id: None, last_seen: Instant::now(), snapshot_clean: false };
+        out.push(WorkerEvent::Cleared);
+        state.clear_stale(w);
+    }
+    // Nothing is known of this worker's sequence (first heard from, new epoch, expired): unless
+    // it starts at event 0 or with a snapshot, events came before that this index never saw.
+    let mut unknown_history = c.next_id.is_none();
+    let mut midstream = false;
+    let mut gap = false;
+    let mut opened = false;
+    for ev in batch.events {
+        let ev = match ev {
+            Ok(ev) => ev,
+            Err(e) => {
+                state.fail(e.reason(), || format!("skipped an event of worker {w}: {e}"));
+                continue;
+            }
+        };
+        let opens_snapshot = batch.snapshot && ev.data == EventData::Cleared;
+        if unknown_history {
+            unknown_history = false;
+            midstream = ev.event_id != 0 && !opens_snapshot;
+        }
+        match c.next_id {
+            Some(n) if ev.event_id < n => {
+                m.duplicate_events.inc();
+                continue;
+            }
+            // A snapshot starts afresh, so events missed before it do not matter.
+            Some(n) if ev.event_id > n && !opens_snapshot => {
+                m.event_gaps.inc();
+                gap = true;
+                c.snapshot_clean = false;
+            }
+            _ => {}
+        }
+        c.next_id = Some(ev.event_id + 1);
+        if opens_snapshot {
+            c.snapshot_clean = true;
+            opened = true;
+        }
+        match ev.data {
+            EventData::Stored { tier, blocks, .. } if tier != Tier::Device => {
+                m.non_device_blocks.with_label_values(&[tier.as_str()]).inc_by(blocks.len() as u64);
+            }
+            EventData::Stored { parent, blocks, .. } => {
+                m.events_applied.with_label_values(&["stored"]).inc();
+                out.push(WorkerEvent::Stored { parent, blocks });
+            }
+            EventData::Removed { hashes } => {
+                m.events_applied.with_label_values(&["removed"]).inc();
+                out.push(WorkerEvent::Removed { hashes });
+            }
+            EventData::Cleared => {
+                m.events_applied.with_label_values(&["cleared"]).inc();
+                out.push(WorkerEvent::Cleared);
+            }
+        }
+    }
+    // The publisher's next event id shows events lost at the tail (a heartbeat after them).
+    match (batch.next_event_id, c.next_id) {
+        (Some(n), Some(x)) if n > x => {
+            m.event_gaps.inc();
+            gap = true;
+            c.snapshot_clean = false;
+            c.next_id = Some(n);
+        }
+        (Some(n), None) => {
+            midstream |= n > 0;
+            c.next_id = Some(n);
+        }
+        // A heartbeat without it tells nothing of the sequence.
+        (None, None) => midstream = true,
+        _ => {}
+    }
+    let snapshot_done = batch.snapshot && batch.snapshot_end && c.snapshot_clean && !gap;
+    if batch.snapshot_end {
+        c.snapshot_clean = false;
+    }
+    drop(cursors);
+    if batch.snapshot && (opened || batch.snapshot_end) {
+        state.snapshot_progress(w, opened, batch.snapshot_end);
+        m.snapshots
+            .with_label_values(&[if snapshot_done {
+                "complete"
+            } else if batch.snapshot_end {
+                "gap"
+            } else {
+                "begun"
+            }])
+            .inc();
+    }
+    if gap {
+        state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
+        state.mark_stale(w);
+    } else if midstream {
+        m.midstream_workers.inc();
+        state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
+        state.mark_stale(w);
+    } else if snapshot_done {
+        state.clear_stale(w);
+    }
+    if !out.is_empty() {
+        if let Err(full) = pool.try_apply(w, out, batch.ts_ns) {
+            // Backpressure: wait for the worker's apply thread rather than drop anything.
+            tokio::task::block_in_place(|| pool.apply(full.worker, full.events, batch.ts_ns));
+        }
+    }
+}

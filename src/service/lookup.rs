@@ -1,0 +1,63 @@
+//! Routers' lookups: one queue subscriber per core, each answering in turn.
+
+use super::State;
+use crate::index::{KvIndex, MatchOptions};
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry};
+use async_nats::Client;
+use futures::StreamExt;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Answers the lookups of one queue subscriber until told to stop; then takes no new ones.
+/// The answer in progress is finished before the task returns.
+pub(super) async fn serve_lookups<I: KvIndex>(
+    client: Client,
+    mut lookups: async_nats::Subscriber,
+    state: Arc<State>,
+    index: Arc<I>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            msg = lookups.next() => match msg {
+                Some(msg) => answer(&client, &state, &*index, msg).await,
+                None => break,
+            },
+        }
+    }
+    let _ = lookups.unsubscribe().await;
+}
+
+/// Answers one lookup request; an undecodable request gets an `error` reply.
+async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: async_nats::Message) {
+    let start = Instant::now();
+    let (resp, result) = match LookupRequest::decode(&msg.payload) {
+        Ok(req) => {
+            let query = req.local_hashes();
+            let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
+            let matches = index
+                .find_matches(&query, &opts)
+                .into_iter()
+                .map(|m| MatchEntry {
+                    worker_id: m.worker.worker_id,
+                    dp_rank: m.worker.dp_rank,
+                    blocks: m.blocks,
+                    stale: state.stale.contains_key(&m.worker),
+                })
+                .collect();
+            (LookupResponse::Matches { matches }, "ok")
+        }
+        Err(error) => {
+            state.log.warn("bad_lookup", || format!("lookup request rejected: {error}"));
+            (LookupResponse::Error { error }, "error")
+        }
+    };
+    if let Some(reply) = msg.reply {
+        if let Err(e) = client.publish(reply, resp.encode().into()).await {
+            state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
+        }
+    }
+    state.metrics.lookups.with_label_values(&[result]).inc();
+    state.metrics.lookup_duration.with_label_values(&[result]).observe(start.elapsed().as_secs_f64());
+}

@@ -1,0 +1,255 @@
+//! `kvindex serve`: the NATS service (DESIGN §3). Ingests publishers' event batches into the
+//! apply pool, tracks each worker's event sequence, answers routers' lookups, asks publishers
+//! to resync, drops silent workers, and serves metrics and health over HTTP.
+//!
+//! - this file: start-up, the shared state, the event loop, shutdown;
+//! - [`ingest`]: decoding batches and following each worker's event sequence;
+//! - [`lookup`]: answering routers;
+//! - [`recovery`]: resync requests, readiness after a rebuild, TTL expiry, NATS reconnects;
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+
+mod http;
+mod ingest;
+mod lookup;
+mod recovery;
+
+use crate::apply::{ApplyPool, OnApplied};
+use crate::config::Config;
+use crate::hash::WorkerId;
+use crate::index::positional::{PositionalConfig, PositionalIndex};
+use crate::index::radix::RadixIndex;
+use crate::index::{Backend, KvIndex};
+use crate::metrics::Metrics;
+use anyhow::Context;
+use async_nats::{Client, ConnectOptions, Event};
+use dashmap::DashMap;
+use futures::StreamExt;
+use ingest::Cursor;
+use parking_lot::Mutex;
+use recovery::{Readiness, Resync};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::mpsc;
+
+/// Logs a warning at most once per interval per key, counting what it held back.
+struct RateLimitedLog {
+    last: Mutex<HashMap<&'static str, (Instant, u64)>>,
+    every: Duration,
+}
+
+impl RateLimitedLog {
+    fn warn(&self, key: &'static str, msg: impl FnOnce() -> String) {
+        let mut last = self.last.lock();
+        let now = Instant::now();
+        let entry = last.entry(key).or_insert((now - self.every, 0));
+        if now.duration_since(entry.0) >= self.every {
+            let suppressed = entry.1;
+            *entry = (now, 0);
+            tracing::warn!(reason = key, suppressed, "{}", msg());
+        } else {
+            entry.1 += 1;
+        }
+    }
+}
+
+/// State shared by the service's tasks and the apply threads.
+struct State {
+    cfg: Config,
+    /// `{prefix}.events.`, the part of an events subject before the worker id.
+    events_prefix: String,
+    metrics: Arc<Metrics>,
+    cursors: Mutex<HashMap<WorkerId, Cursor>>,
+    /// Stale workers and the resync requests sent to each.
+    stale: Arc<DashMap<WorkerId, Resync>>,
+    resync_tx: mpsc::UnboundedSender<WorkerId>,
+    log: RateLimitedLog,
+    connected: AtomicBool,
+    readiness: Mutex<Readiness>,
+    /// Connected and rebuilt: what `/readyz` says.
+    ready: AtomicBool,
+}
+
+impl State {
+    fn fail(&self, reason: &'static str, detail: impl FnOnce() -> String) {
+        self.metrics.decode_failures.with_label_values(&[reason]).inc();
+        self.log.warn(reason, detail);
+    }
+
+    fn mark_stale(&self, w: WorkerId) {
+        if self.stale.insert(w, Resync::default()).is_none() {
+            self.metrics.stale_workers.inc();
+        }
+        let _ = self.resync_tx.send(w);
+    }
+
+    fn clear_stale(&self, w: WorkerId) {
+        if self.stale.remove(&w).is_some() {
+            self.metrics.stale_workers.dec();
+        }
+    }
+}
+
+fn now_ns() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+/// The subject prefix of events, with the trailing dot.
+fn events_prefix(cfg: &Config) -> String {
+    format!("{}.events.", cfg.prefix)
+}
+
+/// Runs the service until `shutdown` resolves; then stops taking events, applies what is
+/// queued, answers the lookups in flight and returns.
+///
+/// Needs a multi-threaded tokio runtime: a full apply queue makes ingest wait in place.
+pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    if tokio::runtime::Handle::current().runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread {
+        anyhow::bail!("kvindex serve needs a multi-threaded tokio runtime");
+    }
+    match cfg.backend {
+        Backend::Positional => {
+            let idx =
+                PositionalIndex::new(PositionalConfig { jump: cfg.jump, max_depth: cfg.max_depth, max_workers: cfg.max_workers });
+            run(cfg, idx, shutdown).await
+        }
+        Backend::Radix => {
+            let idx = RadixIndex::new(cfg.max_depth, cfg.max_workers);
+            run(cfg, idx, shutdown).await
+        }
+        Backend::Reference => anyhow::bail!("configuration: backend: the reference model is for tests, not for serving"),
+    }
+}
+
+async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::Result<Client> {
+    let mut opts = ConnectOptions::new().name("kvindex").retry_on_initial_connect().max_reconnects(None);
+    if let Some(creds) = &cfg.nats_creds {
+        opts = opts.credentials_file(creds).await.with_context(|| format!("reading nats_creds {creds}"))?;
+    }
+    if let (Some(u), Some(p)) = (&cfg.nats_user, &cfg.nats_password) {
+        opts = opts.user_and_password(u.clone(), p.clone());
+    }
+    if let Some(t) = &cfg.nats_token {
+        opts = opts.token(t.clone());
+    }
+    if let Some(ca) = &cfg.nats_tls_ca {
+        opts = opts.add_root_certificates(ca.into());
+    }
+    if let (Some(c), Some(k)) = (&cfg.nats_tls_cert, &cfg.nats_tls_key) {
+        opts = opts.add_client_certificate(c.into(), k.into());
+    }
+    opts = opts.require_tls(cfg.nats_require_tls).event_callback(move |e| {
+        let events = events.clone();
+        async move {
+            let _ = events.send(e);
+        }
+    });
+    opts.connect(cfg.nats_url.as_str()).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
+}
+
+async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let index = Arc::new(index);
+    let (resync_tx, resync_rx) = mpsc::unbounded_channel();
+    let state = Arc::new(State {
+        metrics: metrics.clone(),
+        cursors: Mutex::new(HashMap::new()),
+        stale: Arc::new(DashMap::new()),
+        resync_tx,
+        log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },
+        connected: AtomicBool::new(false),
+        readiness: Mutex::new(Readiness::new()),
+        ready: AtomicBool::new(false),
+        events_prefix: events_prefix(&cfg),
+        cfg: cfg.clone(),
+    });
+    let hook: OnApplied = {
+        let state = state.clone();
+        Arc::new(move |worker, out, ts_ns| {
+            let m = &state.metrics;
+            m.blocks_applied.with_label_values(&["stored"]).inc_by(out.stored);
+            m.blocks_applied.with_label_values(&["removed"]).inc_by(out.removed);
+            m.unknown_removes.inc_by(out.unknown_removes);
+            if out.unplaceable > 0 {
+                // Its position and prefix are unknown: the worker's state is off until a resync.
+                m.unplaceable_blocks.inc_by(out.unplaceable);
+                state.mark_stale(worker);
+            }
+            let now = now_ns();
+            if ts_ns > 0 && now >= ts_ns {
+                m.event_lag.observe((now - ts_ns) as f64 / 1e9);
+            }
+        })
+    };
+    let pool = Arc::new(ApplyPool::new(index.clone(), cfg.apply_threads(), cfg.queue_capacity, Some(hook)));
+
+    let http = tokio::net::TcpListener::bind(&cfg.metrics_addr)
+        .await
+        .with_context(|| format!("binding metrics_addr {}", cfg.metrics_addr))?;
+    let (nats_tx, nats_rx) = mpsc::unbounded_channel();
+    let client = connect(&cfg, nats_tx).await?;
+    // Lookups get a connection of their own, so a reply never queues behind event batches.
+    let (lookup_events, _ignored) = mpsc::unbounded_channel();
+    let lookup_client = connect(&cfg, lookup_events).await?;
+    let mut events = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
+    // One queue subscriber per core: NATS spreads lookups over them, each answers in turn.
+    let mut lookups = Vec::new();
+    for _ in 0..std::thread::available_parallelism().map_or(2, |n| n.get()) {
+        let sub = lookup_client
+            .queue_subscribe(format!("{}.lookup", cfg.prefix), "kvindex".into())
+            .await
+            .context("subscribing to lookups")?;
+        lookups.push(sub);
+    }
+    let connected = client.connection_state() == async_nats::connection::State::Connected;
+    state.connected.store(connected, Ordering::Relaxed);
+    metrics.nats_connected.set(connected as i64);
+    tracing::info!(
+        nats = %cfg.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, backend = index.name(),
+        apply_threads = cfg.apply_threads(), "kvindex serving"
+    );
+    // A restarted daemon rebuilds its index from the publishers.
+    recovery::broadcast_resync(&client, &state).await;
+
+    let background = [
+        tokio::spawn(recovery::nats_events(client.clone(), state.clone(), nats_rx)),
+        tokio::spawn(recovery::resync_loop(client.clone(), state.clone(), resync_rx)),
+        tokio::spawn(recovery::ttl_loop(state.clone(), pool.clone())),
+        tokio::spawn(recovery::readiness_loop(state.clone())),
+        tokio::spawn(http::http_server(http, state.clone(), index.clone(), pool.clone())),
+    ];
+    let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
+    let lookup_tasks: Vec<_> = lookups
+        .into_iter()
+        .map(|sub| tokio::spawn(lookup::serve_lookups(lookup_client.clone(), sub, state.clone(), index.clone(), stopped.clone())))
+        .collect();
+
+    tokio::pin!(shutdown);
+    loop {
+        tokio::select! {
+            _ = &mut shutdown => break,
+            msg = events.next() => match msg {
+                Some(msg) => ingest::ingest(&state, &pool, msg.subject.as_str(), &msg.payload),
+                None => break,
+            },
+        }
+    }
+
+    tracing::info!("shutting down: applying queued events, answering lookups in flight");
+    let _ = events.unsubscribe().await;
+    let _ = stop_lookups.send(true);
+    for task in lookup_tasks {
+        let _ = task.await;
+    }
+    let flushing = pool.clone();
+    let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
+    let _ = client.flush().await;
+    let _ = lookup_client.flush().await;
+    for task in background {
+        task.abort();
+    }
+    tracing::info!("kvindex stopped");
+    Ok(())
+}

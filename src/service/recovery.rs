@@ -1,0 +1,245 @@
+//! Healing: resync requests with backoff, readiness after a broadcast's snapshots, TTL
+//! expiry of silent workers, and a broadcast resync after every NATS reconnect.
+
+use super::State;
+use crate::apply::ApplyPool;
+use crate::hash::WorkerId;
+use crate::index::KvIndex;
+use crate::protocol::ResyncRequest;
+use async_nats::{Client, Event};
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// Resync requests to one stale worker: when the last went out and how many have.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Resync {
+    asked: Option<Instant>,
+    attempts: u32,
+}
+
+/// Whether the index has been rebuilt since the last broadcast resync.
+pub(super) struct Readiness {
+    pub(super) broadcast_at: Instant,
+    /// Snapshots begun (opening `cleared`) and not yet ended.
+    pub(super) open: HashSet<WorkerId>,
+    /// Snapshots ended since the broadcast.
+    pub(super) completed: u64,
+    /// When a snapshot last began or ended.
+    pub(super) last_activity: Instant,
+    pub(super) ready: bool,
+}
+
+impl Readiness {
+    /// Not ready, as if a broadcast went out now.
+    pub(super) fn new() -> Self {
+        let now = Instant::now();
+        Readiness { broadcast_at: now, open: HashSet::new(), completed: 0, last_activity: now, ready: false }
+    }
+}
+
+impl State {
+    /// A broadcast resync went out: not ready until the publishers' snapshots are in.
+    pub(super) fn begin_rebuild(&self) {
+        let mut r = self.readiness.lock();
+        *r = Readiness::new();
+        self.ready.store(false, Ordering::Relaxed);
+        self.metrics.ready.set(0);
+    }
+
+    pub(super) fn snapshot_progress(&self, w: WorkerId, opened: bool, ended: bool) {
+        let mut r = self.readiness.lock();
+        r.last_activity = Instant::now();
+        if opened {
+            r.open.insert(w);
+        }
+        if ended {
+            r.open.remove(&w);
+            r.completed += 1;
+        }
+    }
+
+    /// Re-evaluates readiness; logs and records the rebuild when it completes.
+    pub(super) fn check_ready(&self) {
+        let connected = self.connected.load(Ordering::Relaxed);
+        let mut r = self.readiness.lock();
+        if !r.ready {
+            let now = Instant::now();
+            let settle = Duration::from_millis(self.cfg.ready_settle_ms);
+            let quiet = r.open.is_empty() && now.duration_since(r.last_activity.max(r.broadcast_at)) >= settle;
+            let timed_out = now.duration_since(r.broadcast_at) >= Duration::from_secs(self.cfg.ready_timeout);
+            if connected && (quiet || timed_out) {
+                r.ready = true;
+                let took = now.duration_since(r.broadcast_at).as_secs_f64();
+                self.metrics.rebuild_seconds.set(took);
+                if quiet {
+                    tracing::info!(
+                        snapshots = r.completed,
+                        seconds = took,
+                        "ready: index rebuilt from the publishers' snapshots"
+                    );
+                } else {
+                    tracing::warn!(
+                        snapshots = r.completed,
+                        still_open = r.open.len(),
+                        seconds = took,
+                        "ready after ready_timeout with snapshots still open; those workers stay stale until they finish"
+                    );
+                }
+            }
+        }
+        let ready = connected && r.ready;
+        self.ready.store(ready, Ordering::Relaxed);
+        self.metrics.ready.set(ready as i64);
+    }
+}
+
+/// Asks every publisher for its block set; `/readyz` waits for their snapshots.
+pub(super) async fn broadcast_resync(client: &Client, state: &State) {
+    state.begin_rebuild();
+    match client.publish(format!("{}.resync", state.cfg.prefix), bytes::Bytes::new()).await {
+        Ok(()) => state.metrics.resync_requests.with_label_values(&["all"]).inc(),
+        Err(e) => tracing::warn!("could not broadcast a resync request: {e}"),
+    }
+}
+
+/// Follows the NATS connection: state in metrics and logs, a broadcast resync on reconnect.
+pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedReceiver<Event>) {
+    let m = &state.metrics;
+    // The first connection's broadcast is sent by `run`, once the subscriptions exist.
+    let mut reconnect = false;
+    while let Some(e) = rx.recv().await {
+        let kind = match &e {
+            Event::Connected => "connected",
+            Event::Disconnected => "disconnected",
+            Event::LameDuckMode => "lame_duck",
+            Event::SlowConsumer(_) => "slow_consumer",
+            Event::ServerError(_) => "server_error",
+            Event::ClientError(_) => "client_error",
+            Event::Draining => "draining",
+            Event::Closed => "closed",
+        };
+        m.nats_events.with_label_values(&[kind]).inc();
+        match e {
+            Event::Connected => {
+                tracing::info!("connected to NATS");
+                state.connected.store(true, Ordering::Relaxed);
+                m.nats_connected.set(1);
+                if reconnect {
+                    // Events published while we were away are lost: ask every publisher for its state.
+                    broadcast_resync(&client, &state).await;
+                }
+                reconnect = true;
+            }
+            Event::Disconnected | Event::Closed => {
+                tracing::warn!("lost the NATS connection ({e}); reconnecting");
+                state.connected.store(false, Ordering::Relaxed);
+                m.nats_connected.set(0);
+            }
+            other => tracing::warn!("NATS: {other}"),
+        }
+    }
+}
+
+/// Asks stale workers to resync: at once when they turn stale (unless a broadcast has just
+/// asked everyone), again after `resync_interval` if still stale, the wait doubling up to
+/// `resync_max_interval`.
+pub(super) async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedReceiver<WorkerId>) {
+    let base = Duration::from_secs(state.cfg.resync_interval);
+    let max = Duration::from_secs(state.cfg.resync_max_interval);
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        let due: Vec<WorkerId> = tokio::select! {
+            w = rx.recv() => match w { Some(w) => vec![w], None => return },
+            _ = tick.tick() => state.stale.iter().map(|e| *e.key()).collect(),
+        };
+        let now = Instant::now();
+        if now.duration_since(state.readiness.lock().broadcast_at) < base {
+            // The broadcast's snapshots are on their way.
+            continue;
+        }
+        for w in due {
+            let Some(mut r) = state.stale.get_mut(&w) else { continue };
+            if r.asked.is_some_and(|t| now.duration_since(t) < resync_wait(base, max, r.attempts)) {
+                continue;
+            }
+            r.asked = Some(now);
+            r.attempts += 1;
+            let attempt = r.attempts;
+            drop(r);
+            state.metrics.resync_requests.with_label_values(&["worker"]).inc();
+            let payload = ResyncRequest { worker_id: w.worker_id, dp_rank: w.dp_rank }.encode();
+            let subject = format!("{}.resync.{}", state.cfg.prefix, w.worker_id);
+            let (client, state) = (client.clone(), state.clone());
+            tokio::spawn(async move {
+                let answer = tokio::time::timeout(Duration::from_secs(2), client.request(subject, payload.into())).await;
+                if !matches!(answer, Ok(Ok(_))) {
+                    state.metrics.resync_unanswered.inc();
+                    state.log.warn("resync_unanswered", || {
+                        format!("worker {w} did not answer resync request {attempt}; asking again with backoff")
+                    });
+                }
+            });
+        }
+    }
+}
+
+/// How long to wait after the `attempts`-th unanswered resync request before the next:
+/// `base`, doubling each time, at most `max`.
+fn resync_wait(base: Duration, max: Duration, attempts: u32) -> Duration {
+    base.saturating_mul(1 << attempts.saturating_sub(1).min(16)).min(max)
+}
+
+/// Keeps `/readyz` and `kvindex_ready` current.
+pub(super) async fn readiness_loop(state: Arc<State>) {
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    loop {
+        tick.tick().await;
+        state.check_ready();
+    }
+}
+
+/// Drops workers silent for longer than `worker_ttl`, so a crashed engine stops attracting
+/// requests.
+pub(super) async fn ttl_loop<I: KvIndex>(state: Arc<State>, pool: Arc<ApplyPool<I>>) {
+    if state.cfg.worker_ttl == 0 {
+        return;
+    }
+    let ttl = Duration::from_secs(state.cfg.worker_ttl);
+    let mut tick = tokio::time::interval((ttl / 4).max(Duration::from_millis(250)));
+    loop {
+        tick.tick().await;
+        let now = Instant::now();
+        let expired: Vec<WorkerId> = {
+            let mut cursors = state.cursors.lock();
+            let gone: Vec<WorkerId> =
+                cursors.iter().filter(|(_, c)| now.duration_since(c.last_seen) > ttl).map(|(w, _)| *w).collect();
+            for w in &gone {
+                cursors.remove(w);
+            }
+            gone
+        };
+        for w in expired {
+            tracing::warn!(worker = %w, ttl_s = ttl.as_secs(), "worker silent past its TTL; dropping its blocks");
+            state.metrics.workers_expired.inc();
+            state.clear_stale(w);
+            let pool = pool.clone();
+            let _ = tokio::task::spawn_blocking(move || pool.remove_worker(w)).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resync_requests_back_off_doubling_up_to_the_cap() {
+        let s = Duration::from_secs;
+        let waits: Vec<u64> = (1..=7).map(|a| resync_wait(s(1), s(30), a).as_secs()).collect();
+        assert_eq!(waits, vec![1, 2, 4, 8, 16, 30, 30]);
+        assert_eq!(resync_wait(s(5), s(5), 40), s(5));
+    }
+}
