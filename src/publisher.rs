@@ -40,6 +40,9 @@ use tokio::task::JoinHandle;
 const BLOCK_BYTES: usize = 19;
 /// Bytes a `stored` event takes besides its blocks, at most.
 const STORED_OVERHEAD: usize = 80;
+/// Bytes one hash takes in a `removed` event, and the event's other bytes at most.
+const HASH_BYTES: usize = 9;
+const REMOVED_OVERHEAD: usize = 48;
 /// Room kept for a batch's envelope.
 const HEADER_BYTES: usize = 128;
 
@@ -182,10 +185,8 @@ impl Publisher {
     }
 
     /// The engine cached `blocks`, a chain under `parent` (`None`: from the first position).
+    /// A chain too long for one message goes out as several events, each under the last.
     pub fn stored(&self, parent: Option<BlockHash>, blocks: &[StoredBlock]) {
-        if blocks.is_empty() {
-            return;
-        }
         let s = &self.shared;
         let mut inner = s.inner.lock();
         let mut prev = parent;
@@ -193,22 +194,25 @@ impl Publisher {
             inner.blocks.insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash });
             prev = Some(b.block_hash);
         }
-        s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * blocks.len(), |out, id| {
-            write_stored(out, id, parent, blocks, Tier::Device)
-        });
+        let mut parent = parent;
+        for piece in blocks.chunks(s.max_message.saturating_sub(HEADER_BYTES + STORED_OVERHEAD).max(BLOCK_BYTES) / BLOCK_BYTES) {
+            s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), |out, id| {
+                write_stored(out, id, parent, piece, Tier::Device)
+            });
+            parent = piece.last().map(|b| b.block_hash);
+        }
     }
 
-    /// The engine evicted `hashes`.
+    /// The engine evicted `hashes` (several events if they do not fit one message).
     pub fn removed(&self, hashes: &[BlockHash]) {
-        if hashes.is_empty() {
-            return;
-        }
         let s = &self.shared;
         let mut inner = s.inner.lock();
         for h in hashes {
             inner.blocks.remove(h);
         }
-        s.push(&mut inner, 32 + 9 * hashes.len(), |out, id| write_removed(out, id, hashes));
+        for piece in hashes.chunks(s.max_message.saturating_sub(HEADER_BYTES + REMOVED_OVERHEAD).max(HASH_BYTES) / HASH_BYTES) {
+            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_removed(out, id, piece));
+        }
     }
 
     /// The engine dropped every block (e.g. a cache reset).
@@ -216,7 +220,7 @@ impl Publisher {
         let s = &self.shared;
         let mut inner = s.inner.lock();
         inner.blocks.clear();
-        s.push(&mut inner, 32, write_cleared);
+        s.push(&mut inner, REMOVED_OVERHEAD, write_cleared);
     }
 
     /// Waits until the queue to NATS has room. Engines that would rather wait than drop

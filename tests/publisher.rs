@@ -20,7 +20,7 @@ async fn next_batch(sub: &mut async_nats::Subscriber) -> (EventBatch, usize) {
     (decode_batch(&msg.payload).expect("a valid batch"), msg.payload.len())
 }
 
-fn events(b: &EventBatch) -> Vec<KvEvent> {
+fn events_of(b: &EventBatch) -> Vec<KvEvent> {
     b.events.iter().map(|e| e.clone().expect("valid event")).collect()
 }
 
@@ -55,7 +55,7 @@ async fn batches_by_count_and_linger_then_heartbeats() {
         let (b, _) = next_batch(&mut sub).await;
         assert_eq!((b.worker_id, b.dp_rank, b.epoch, b.snapshot), (7, 0, 42, false));
         sizes.push(b.events.len());
-        ids.extend(events(&b).iter().map(|e| e.event_id));
+        ids.extend(events_of(&b).iter().map(|e| e.event_id));
     }
     // Two full batches at once, the rest after the linger.
     assert_eq!(sizes, vec![4, 4, 2]);
@@ -86,7 +86,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
     let mut next_id = 0;
     while next_id < p.stats().events {
         let (b, _) = next_batch(&mut sub).await;
-        for e in events(&b) {
+        for e in events_of(&b) {
             assert_eq!(e.event_id, next_id);
             next_id += 1;
             apply(&live, &mut lw, &e);
@@ -107,7 +107,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
         let (b, bytes) = next_batch(&mut sub).await;
         assert!(b.snapshot, "only snapshot batches follow");
         assert!(bytes <= 1024, "a chunk of {bytes} bytes is over max_batch_bytes");
-        for (i, e) in events(&b).iter().enumerate() {
+        for (i, e) in events_of(&b).iter().enumerate() {
             assert_eq!(e.event_id, next_id, "snapshot ids continue the sequence");
             next_id += 1;
             assert_eq!(chunks == 0 && i == 0, e.data == EventData::Cleared, "the first event, and only it, clears");
@@ -150,10 +150,40 @@ async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
     client.publish("t.resync", bytes::Bytes::new()).await.unwrap();
     let (b, _) = next_batch(&mut sub).await;
     assert!(b.snapshot && b.snapshot_end);
-    let ev = events(&b);
+    let ev = events_of(&b);
     assert_eq!(ev.len(), 2);
     assert_eq!(ev[0].data, EventData::Cleared);
     assert_eq!(ev[1], KvEvent::stored(4, None, &[(4, 40)]));
     assert_eq!(p.stats().orphans_skipped, 2);
     assert_eq!(p.len(), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_longer_than_a_message_is_split_into_chained_events() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let mut sub = client.subscribe("t.events.7").await.unwrap();
+    let cfg = PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) };
+    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    let chain: Vec<StoredBlock> = (0..500u64).map(|i| StoredBlock::new(1000 + i, i)).collect();
+    p.stored(None, &chain);
+    p.removed(&chain[250..].iter().map(|b| b.block_hash).collect::<Vec<_>>());
+    p.flush().await;
+
+    let index = ReferenceIndex::new(1 << 16, 16);
+    let mut w = index.writer(WorkerId::new(7, 0)).unwrap();
+    let mut events = 0;
+    while events < p.stats().events {
+        let (b, bytes) = next_batch(&mut sub).await;
+        assert!(bytes <= 1024, "a batch of {bytes} bytes");
+        for e in events_of(&b) {
+            assert_eq!(apply(&index, &mut w, &e), 0);
+            events += 1;
+        }
+    }
+    assert!(events > 10, "500 blocks and 250 removals in {events} events");
+    let q: Vec<LocalHash> = (0..500).map(LocalHash).collect();
+    let m = index.find_matches(&q, &MatchOptions::default());
+    assert_eq!(m[0].blocks, 250);
+    assert_eq!(index.stats().placements, 250);
 }
