@@ -150,7 +150,7 @@ struct E2eArgs {
     #[arg(long)]
     nats_url: Option<String>,
     /// Offered event rates in blocks/s, one run each; 0 = as fast as possible.
-    #[arg(long, value_delimiter = ',', default_value = "0,1500000")]
+    #[arg(long, value_delimiter = ',', default_value = "0,1000000")]
     rates: Vec<f64>,
     /// Lookups per second issued while events flow.
     #[arg(long, default_value_t = 5000.0)]
