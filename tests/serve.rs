@@ -344,6 +344,8 @@ async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
     let mut open = batch(1, 1, vec![KvEvent { event_id: 0, data: EventData::Cleared }, stored(1, None, &chain(100, &[1, 2]))]);
     open.snapshot = true;
     publish(&c, 1, &open).await;
+    // Its state is partial while the snapshot is open: the worker is flagged stale.
+    expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(1, 2, true)]).await;
     tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
     let (code, body) = support::http_get(&d.metrics_addr, "/readyz").await.unwrap();
     assert_eq!((code, body.trim()), (503, "rebuilding the index from publishers' snapshots"));

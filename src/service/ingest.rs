@@ -154,6 +154,10 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         state.mark_stale(w);
     } else if snapshot_done {
         state.clear_stale(w);
+    } else if opened && !batch.snapshot_end {
+        // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
+        // the snapshot stalls.
+        state.mark_snapshotting(w);
     }
     if !out.is_empty() {
         if let Err(full) = pool.try_apply(w, out, batch.ts_ns) {

@@ -85,6 +85,15 @@ impl State {
         let _ = self.resync_tx.send(w);
     }
 
+    /// Stale while its snapshot is open; counted as asked once, so a resync request goes out
+    /// only if the snapshot has not ended `resync_interval` from now.
+    fn mark_snapshotting(&self, w: WorkerId) {
+        if let dashmap::mapref::entry::Entry::Vacant(v) = self.stale.entry(w) {
+            v.insert(Resync { asked: Some(Instant::now()), attempts: 1 });
+            self.metrics.stale_workers.inc();
+        }
+    }
+
     fn clear_stale(&self, w: WorkerId) {
         if self.stale.remove(&w).is_some() {
             self.metrics.stale_workers.dec();

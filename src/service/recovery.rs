@@ -16,8 +16,8 @@ use tokio::sync::mpsc;
 /// Resync requests to one stale worker: when the last went out and how many have.
 #[derive(Clone, Copy, Default)]
 pub(super) struct Resync {
-    asked: Option<Instant>,
-    attempts: u32,
+    pub(super) asked: Option<Instant>,
+    pub(super) attempts: u32,
 }
 
 /// Whether the index has been rebuilt since the last broadcast resync.
