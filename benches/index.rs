@@ -89,7 +89,7 @@ fn bench_backend<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
 
 /// A publisher's full batch: 256 events, three stores of 16-block chains to one removal.
 fn bench_decode(c: &mut Criterion) {
-    use kvindex::protocol::{decode_batch, encode_batch, EventBatch, EventData, KvEvent};
+    use kvindex::protocol::{decode_batch, encode_batch, BatchHeader, EventBatch, EventData, KvEvent};
     let chains = chains(64);
     let events: Vec<_> = (0..256u64)
         .map(|i| {
@@ -103,16 +103,8 @@ fn bench_decode(c: &mut Criterion) {
             Ok(KvEvent { event_id: i, data })
         })
         .collect();
-    let batch = EventBatch {
-        worker_id: 3,
-        dp_rank: 0,
-        epoch: 1,
-        ts_ns: 1,
-        snapshot: false,
-        snapshot_end: false,
-        next_event_id: Some(256),
-        events,
-    };
+    let header = BatchHeader { worker_id: 3, epoch: 1, ts_ns: 1, next_event_id: Some(256), ..BatchHeader::default() };
+    let batch = EventBatch { header, events };
     let bytes = encode_batch(&batch);
     let mut g = c.benchmark_group("protocol");
     g.throughput(Throughput::Elements(256 * 16));

@@ -134,17 +134,32 @@ impl Drop for NatsProcess {
     }
 }
 
-async fn http_get(addr: &str, path: &str) -> Option<String> {
+/// GET `path` from the daemon's HTTP server over HTTP/1.0 (so the server closes): (status,
+/// body); `None` if it does not answer within 5 s.
+pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).await.ok()?;
-    buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+    let get = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.ok()?;
+        let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Some((code, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), get).await.ok().flatten()
 }
 
-fn sample(text: &str, name: &str) -> f64 {
-    text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.parse().ok())).unwrap_or(0.0)
+/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
+pub fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// The body of `path`, empty if the server does not answer.
+async fn http_body(addr: &str, path: &str) -> String {
+    http_get(addr, path).await.map(|r| r.1).unwrap_or_default()
 }
 
 /// Quantile `q` of a Prometheus histogram, as the upper bound of its bucket (seconds).
@@ -163,40 +178,35 @@ fn bucket_quantile(text: &str, name: &str, q: f64) -> f64 {
     buckets.iter().find(|(_, c)| *c >= q * total).map_or(0.0, |b| b.0)
 }
 
-/// `kvindex serve` in this process.
-struct Daemon {
-    metrics_addr: String,
+/// `kvindex serve` in this process (for `e2e` and the tests); `stop` shuts it down the way
+/// SIGTERM does.
+pub struct Daemon {
+    pub cfg: Config,
     stop: tokio::sync::oneshot::Sender<()>,
     task: tokio::task::JoinHandle<Result<()>>,
 }
 
 impl Daemon {
-    /// Starts one and waits until `/readyz` says it is ready (rebuilt, if publishers exist).
-    async fn start(url: &str, prefix: &str, apply_threads: usize) -> Result<Daemon> {
-        let metrics_addr = format!("127.0.0.1:{}", free_port()?);
-        let cfg = Config {
-            nats_url: url.into(),
-            prefix: prefix.into(),
-            metrics_addr: metrics_addr.clone(),
-            apply_threads,
-            worker_ttl: 0,
-            ..Config::default()
-        };
+    /// Starts one with `cfg` and waits until `/readyz` says it is ready (rebuilt, if
+    /// publishers exist).
+    pub async fn start(cfg: Config) -> Result<Daemon> {
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(crate::service::serve(cfg, async move {
+        let task = tokio::spawn(crate::service::serve(cfg.clone(), async move {
             let _ = stopped.await;
         }));
         let deadline = Instant::now() + Duration::from_secs(30);
-        while http_get(&metrics_addr, "/readyz").await.is_none_or(|b| !b.starts_with("ready")) {
+        while http_get(&cfg.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
             if Instant::now() > deadline || task.is_finished() {
                 bail!("kvindex did not become ready");
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        Ok(Daemon { metrics_addr, stop, task })
+        Ok(Daemon { cfg, stop, task })
     }
 
-    async fn stop(self) -> Result<()> {
+    /// Stops taking events, applies what is queued, answers lookups in flight, and returns
+    /// how `serve` ended.
+    pub async fn stop(self) -> Result<()> {
         let _ = self.stop.send(());
         self.task.await.context("daemon task")?
     }
@@ -213,8 +223,18 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         }
     };
     let prefix = format!("e2e{}", std::process::id());
-    let daemon = Daemon::start(&url, &prefix, cfg.apply_threads).await?;
-    let metrics_addr = daemon.metrics_addr.clone();
+    let daemon_cfg = || -> Result<Config> {
+        Ok(Config {
+            nats_url: url.clone(),
+            prefix: prefix.clone(),
+            metrics_addr: format!("127.0.0.1:{}", free_port()?),
+            apply_threads: cfg.apply_threads,
+            worker_ttl: 0,
+            ..Config::default()
+        })
+    };
+    let daemon = Daemon::start(daemon_cfg()?).await?;
+    let metrics_addr = daemon.cfg.metrics_addr.clone();
 
     // The engines: one publisher per worker, as beside each engine.
     let client = async_nats::connect(&url).await.context("publisher connecting to NATS")?;
@@ -324,7 +344,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     // Sustained rate: until the daemon has applied every block.
     let applied_name = ("kvindex_blocks_applied_total{kind=\"stored\"}", "kvindex_blocks_applied_total{kind=\"removed\"}");
     let text = loop {
-        let text = http_get(&metrics_addr, "/metrics").await.unwrap_or_default();
+        let text = http_body(&metrics_addr, "/metrics").await;
         if sample(&text, applied_name.0) + sample(&text, applied_name.1) >= total_blocks as f64 {
             break text;
         }
@@ -342,9 +362,9 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
 
     // A new, empty daemon: how long until it has rebuilt the index from the publishers?
     let restarted = Instant::now();
-    let daemon = Daemon::start(&url, &prefix, cfg.apply_threads).await?;
+    let daemon = Daemon::start(daemon_cfg()?).await?;
     let rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
-    let rebuilt = http_get(&daemon.metrics_addr, "/metrics").await.unwrap_or_default();
+    let rebuilt = http_body(&daemon.cfg.metrics_addr, "/metrics").await;
     daemon.stop().await?;
     let engine_blocks = publishers.values().map(|p| p.len() as u64).sum();
 

@@ -1,7 +1,7 @@
-//! Prometheus metrics and the health endpoints, served over HTTP on `metrics_addr`.
+//! The daemon's Prometheus metrics (`service::http` serves them on `metrics_addr`).
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+    Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
 };
 
@@ -23,7 +23,7 @@ pub struct Metrics {
     pub snapshots: IntCounterVec,
     pub midstream_workers: IntCounter,
     pub ready: IntGauge,
-    pub rebuild_seconds: prometheus::Gauge,
+    pub rebuild_seconds: Gauge,
     pub stale_workers: IntGauge,
     pub epochs_changed: IntCounter,
     pub workers_expired: IntCounter,
@@ -35,6 +35,22 @@ pub struct Metrics {
     pub index_workers: IntGauge,
     pub nats_connected: IntGauge,
     pub nats_events: IntCounterVec,
+    /// Children of the vectors above that the hot paths (ingest, apply, lookup) update,
+    /// resolved once instead of by label on every event.
+    pub hot: HotMetrics,
+}
+
+/// Pre-resolved label children of the per-event and per-lookup metrics.
+pub struct HotMetrics {
+    pub events_stored: IntCounter,
+    pub events_removed: IntCounter,
+    pub events_cleared: IntCounter,
+    pub blocks_stored: IntCounter,
+    pub blocks_removed: IntCounter,
+    pub lookups_ok: IntCounter,
+    pub lookups_error: IntCounter,
+    pub lookup_duration_ok: Histogram,
+    pub lookup_duration_error: Histogram,
 }
 
 fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
@@ -51,6 +67,12 @@ fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCoun
 
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid metric");
+    r.register(Box::new(g.clone())).expect("unique metric");
+    g
+}
+
+fn gauge_f64(r: &Registry, name: &str, help: &str) -> Gauge {
+    let g = Gauge::new(name, help).expect("valid metric");
     r.register(Box::new(g.clone())).expect("unique metric");
     g
 }
@@ -80,15 +102,27 @@ impl Metrics {
             IntGaugeVec::new(Opts::new("kvindex_apply_queue_depth", "Batches waiting per apply thread."), &["thread"])
                 .expect("valid metric");
         r.register(Box::new(apply_queue_depth.clone())).expect("unique metric");
+        let events_applied = counter_vec(&r, "kvindex_events_applied_total", "KV events applied, by kind.", &["kind"]);
+        let blocks_applied =
+            counter_vec(&r, "kvindex_blocks_applied_total", "Blocks stored or removed in the index, by kind.", &["kind"]);
+        let lookups = counter_vec(&r, "kvindex_lookups_total", "Lookups answered, by result.", &["result"]);
+        let hot = HotMetrics {
+            events_stored: events_applied.with_label_values(&["stored"]),
+            events_removed: events_applied.with_label_values(&["removed"]),
+            events_cleared: events_applied.with_label_values(&["cleared"]),
+            blocks_stored: blocks_applied.with_label_values(&["stored"]),
+            blocks_removed: blocks_applied.with_label_values(&["removed"]),
+            lookups_ok: lookups.with_label_values(&["ok"]),
+            lookups_error: lookups.with_label_values(&["error"]),
+            lookup_duration_ok: lookup_duration.with_label_values(&["ok"]),
+            lookup_duration_error: lookup_duration.with_label_values(&["error"]),
+        };
         Metrics {
+            hot,
+            events_applied,
+            blocks_applied,
+            lookups,
             event_lag,
-            events_applied: counter_vec(&r, "kvindex_events_applied_total", "KV events applied, by kind.", &["kind"]),
-            blocks_applied: counter_vec(
-                &r,
-                "kvindex_blocks_applied_total",
-                "Blocks stored or removed in the index, by kind.",
-                &["kind"],
-            ),
             batches_received: counter(&r, "kvindex_batches_received_total", "Event batches received (including heartbeats)."),
             decode_failures: counter_vec(
                 &r,
@@ -128,15 +162,11 @@ impl Metrics {
                 "Workers first heard mid-sequence (daemon restart, TTL expiry, new epoch): stale until their snapshot.",
             ),
             ready: gauge(&r, "kvindex_ready", "1 when connected and rebuilt after the last broadcast resync (/readyz)."),
-            rebuild_seconds: {
-                let g = prometheus::Gauge::new(
-                    "kvindex_rebuild_seconds",
-                    "Time from the last broadcast resync to ready: how long the last rebuild took.",
-                )
-                .expect("valid metric");
-                r.register(Box::new(g.clone())).expect("unique metric");
-                g
-            },
+            rebuild_seconds: gauge_f64(
+                &r,
+                "kvindex_rebuild_seconds",
+                "Time from the last broadcast resync to ready: how long the last rebuild took.",
+            ),
             stale_workers: gauge(&r, "kvindex_stale_workers", "Workers whose state is being resynchronised."),
             epochs_changed: counter(
                 &r,
@@ -145,7 +175,6 @@ impl Metrics {
             ),
             workers_expired: counter(&r, "kvindex_workers_expired_total", "Workers dropped after being silent past the TTL."),
             apply_queue_depth,
-            lookups: counter_vec(&r, "kvindex_lookups_total", "Lookups answered, by result.", &["result"]),
             lookup_duration,
             index_placements: gauge(&r, "kvindex_index_blocks", "(worker, block) placements in the index."),
             index_entries: gauge(&r, "kvindex_index_entries", "Distinct (position, prefix) entries in the index."),

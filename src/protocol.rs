@@ -69,15 +69,7 @@ impl KvEvent {
 /// A decoded batch: the envelope, and each event or the reason it could not be decoded.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EventBatch {
-    pub worker_id: u64,
-    pub dp_rank: u32,
-    pub epoch: u64,
-    pub ts_ns: u64,
-    pub snapshot: bool,
-    pub snapshot_end: bool,
-    /// The id the publisher will give its next event (optional): lets a heartbeat reveal
-    /// events lost at the tail of the stream.
-    pub next_event_id: Option<u64>,
+    pub header: BatchHeader,
     pub events: Vec<Result<KvEvent, DecodeError>>,
 }
 
@@ -257,15 +249,6 @@ impl<'a> Rd<'a> {
     }
 }
 
-/// A hash: an unsigned or (two's complement) signed 64-bit integer.
-fn hash(v: &[u8]) -> Option<u64> {
-    match Rd::new(v).head()? {
-        Head::Uint(u) => Some(u),
-        Head::Int(i) => Some(i as u64),
-        _ => None,
-    }
-}
-
 /// Reads the map with string keys, or the array whose items are named by `names`, at `rd`,
 /// in place: `f(key, rd)` gets `rd` at each value and must consume exactly that value
 /// (reading or skipping it). `None` if it is neither, or is malformed.
@@ -442,16 +425,8 @@ pub fn decode_event(v: &[u8]) -> Result<KvEvent, DecodeError> {
 /// Decodes a batch in one pass over its bytes. The envelope must be valid; each event
 /// decodes on its own, so a bad one is reported while its siblings are kept.
 pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
-    let mut b = EventBatch {
-        worker_id: 0,
-        dp_rank: 0,
-        epoch: 0,
-        ts_ns: 0,
-        snapshot: false,
-        snapshot_end: false,
-        next_event_id: None,
-        events: Vec::new(),
-    };
+    let mut h = BatchHeader::default();
+    let mut events = Vec::new();
     let (mut worker, mut bad) = (None, false);
     let uint = |v: &[u8], bad: &mut bool| match Rd::new(v).head() {
         Some(Head::Uint(u)) => u,
@@ -477,9 +452,9 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             match rd.head()? {
                 Head::Nil => {}
                 Head::Array(n) => {
-                    b.events.reserve(n.min(bytes.len()));
+                    events.reserve(n.min(bytes.len()));
                     for _ in 0..n {
-                        b.events.push(or_skip(rd, read_event)?);
+                        events.push(or_skip(rd, read_event)?);
                     }
                 }
                 _ => {
@@ -492,16 +467,16 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         }
         let v = rd.value()?;
         match k {
-            b"worker_id" => worker = hash(v),
+            b"worker_id" => worker = Rd::new(v).hash(),
             b"dp_rank" => match u32::try_from(uint(v, &mut bad)) {
-                Ok(r) => b.dp_rank = r,
+                Ok(r) => h.dp_rank = r,
                 Err(_) => bad = true,
             },
-            b"epoch" => b.epoch = uint(v, &mut bad),
-            b"ts_ns" => b.ts_ns = uint(v, &mut bad),
-            b"snapshot" => b.snapshot = flag(v, &mut bad),
-            b"snapshot_end" => b.snapshot_end = flag(v, &mut bad),
-            b"next_event_id" if !is_nil(v) => b.next_event_id = Some(uint(v, &mut bad)),
+            b"epoch" => h.epoch = uint(v, &mut bad),
+            b"ts_ns" => h.ts_ns = uint(v, &mut bad),
+            b"snapshot" => h.snapshot = flag(v, &mut bad),
+            b"snapshot_end" => h.snapshot_end = flag(v, &mut bad),
+            b"next_event_id" if !is_nil(v) => h.next_event_id = Some(uint(v, &mut bad)),
             _ => {}
         }
         Some(())
@@ -510,11 +485,11 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         // Truncated or not msgpack at all, or msgpack but not a batch.
         return Err(if Rd::new(bytes).value().is_none() { DecodeError::NotMsgpack } else { DecodeError::BadBatch });
     }
-    b.worker_id = worker.ok_or(DecodeError::BadBatch)?;
+    h.worker_id = worker.ok_or(DecodeError::BadBatch)?;
     if bad {
         return Err(DecodeError::BadBatch);
     }
-    Ok(b)
+    Ok(EventBatch { header: h, events })
 }
 
 /// Writes one event: maps, with each block in the positional form `[block_hash, tokens_hash]`.
@@ -589,9 +564,12 @@ pub struct BatchHeader {
     pub worker_id: u64,
     pub dp_rank: u32,
     pub epoch: u64,
+    /// Publish time (ns since the Unix epoch), for event lag; 0: not measured.
     pub ts_ns: u64,
     pub snapshot: bool,
     pub snapshot_end: bool,
+    /// The id the publisher will give its next event (optional): lets a heartbeat reveal
+    /// events lost at the tail of the stream.
     pub next_event_id: Option<u64>,
 }
 
@@ -620,16 +598,7 @@ pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
 pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
     let events: Vec<&KvEvent> = b.events.iter().filter_map(|e| e.as_ref().ok()).collect();
     let mut out = Vec::with_capacity(64 + events.len() * 64);
-    let header = BatchHeader {
-        worker_id: b.worker_id,
-        dp_rank: b.dp_rank,
-        epoch: b.epoch,
-        ts_ns: b.ts_ns,
-        snapshot: b.snapshot,
-        snapshot_end: b.snapshot_end,
-        next_event_id: b.next_event_id,
-    };
-    write_batch_header(&mut out, &header, events.len() as u32);
+    write_batch_header(&mut out, &b.header, events.len() as u32);
     for e in events {
         write_event(&mut out, e);
     }
@@ -771,13 +740,15 @@ mod tests {
     #[test]
     fn batch_round_trips() {
         let batch = EventBatch {
-            worker_id: 7,
-            dp_rank: 1,
-            epoch: 3,
-            ts_ns: 1_700_000_000_000_000_000,
-            snapshot: true,
-            snapshot_end: false,
-            next_event_id: None,
+            header: BatchHeader {
+                worker_id: 7,
+                dp_rank: 1,
+                epoch: 3,
+                ts_ns: 1_700_000_000_000_000_000,
+                snapshot: true,
+                snapshot_end: false,
+                next_event_id: None,
+            },
             events: vec![
                 Ok(KvEvent { event_id: 0, data: EventData::Cleared }),
                 Ok(stored(1, None, &[(u64::MAX, 5), (11, 6)])),
@@ -818,7 +789,7 @@ mod tests {
             ),
         ]);
         let b = decode_batch(&enc(v)).unwrap();
-        assert_eq!((b.worker_id, b.dp_rank, b.epoch, b.snapshot), (5, 0, 0, false));
+        assert_eq!((b.header.worker_id, b.header.dp_rank, b.header.epoch, b.header.snapshot), (5, 0, 0, false));
         let got: Vec<_> = b.events.iter().map(|e| e.as_ref().map(|e| e.event_id).map_err(|e| e.reason())).collect();
         assert_eq!(
             got,
@@ -837,7 +808,10 @@ mod tests {
         ]);
         let batch = Value::Array(vec![9.into(), 2.into(), 1.into(), 100.into(), false.into(), Value::Array(vec![ev])]);
         let b = decode_batch(&enc(batch)).unwrap();
-        assert_eq!((b.worker_id, b.dp_rank, b.epoch, b.ts_ns, b.snapshot_end), (9, 2, 1, 100, false));
+        assert_eq!(
+            (b.header.worker_id, b.header.dp_rank, b.header.epoch, b.header.ts_ns, b.header.snapshot_end),
+            (9, 2, 1, 100, false)
+        );
         assert_eq!(
             b.events,
             vec![Ok(KvEvent {
@@ -866,7 +840,7 @@ mod tests {
             ("worker_id".into(), 1.into()),
         ]);
         let b = decode_batch(&enc(batch)).unwrap();
-        assert_eq!(b.next_event_id, Some(4));
+        assert_eq!(b.header.next_event_id, Some(4));
         assert_eq!(b.events, vec![Ok(KvEvent::stored(3, Some(6), &[(7, 8)]))]);
     }
 
@@ -948,7 +922,8 @@ mod tests {
                 _ => KvEvent { event_id: i as u64, data: EventData::Cleared },
             })).collect();
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
-            let batch = EventBatch { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, events };
+            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id };
+            let batch = EventBatch { header, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);
             let _ = decode_batch(&bytes[..cut.min(bytes.len())]);

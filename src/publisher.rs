@@ -138,6 +138,9 @@ struct Shared {
     counters: Counters,
     /// Largest message, from the server's payload limit and `max_batch_bytes`.
     max_message: usize,
+    /// Most blocks of one `stored` event, and hashes of one `removed` event, that fit it.
+    max_event_blocks: usize,
+    max_event_hashes: usize,
 }
 
 /// A worker's publisher. Dropping it stops it at once, without a goodbye, as a crash would;
@@ -175,6 +178,8 @@ impl Publisher {
             wake: Notify::new(),
             counters: Counters::default(),
             max_message,
+            max_event_blocks: (max_message - HEADER_BYTES - STORED_OVERHEAD) / BLOCK_BYTES,
+            max_event_hashes: (max_message - HEADER_BYTES - REMOVED_OVERHEAD) / HASH_BYTES,
             cfg,
         });
         let tasks = vec![
@@ -195,7 +200,7 @@ impl Publisher {
             prev = Some(b.block_hash);
         }
         let mut parent = parent;
-        for piece in blocks.chunks(s.max_message.saturating_sub(HEADER_BYTES + STORED_OVERHEAD).max(BLOCK_BYTES) / BLOCK_BYTES) {
+        for piece in blocks.chunks(s.max_event_blocks) {
             s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), |out, id| {
                 write_stored(out, id, parent, piece, Tier::Device)
             });
@@ -210,7 +215,7 @@ impl Publisher {
         for h in hashes {
             inner.blocks.remove(h);
         }
-        for piece in hashes.chunks(s.max_message.saturating_sub(HEADER_BYTES + REMOVED_OVERHEAD).max(HASH_BYTES) / HASH_BYTES) {
+        for piece in hashes.chunks(s.max_event_hashes) {
             s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_removed(out, id, piece));
         }
     }
@@ -317,17 +322,8 @@ impl Shared {
         if inner.pending_events == 0 && !snapshot {
             return;
         }
-        let header = BatchHeader {
-            worker_id: self.cfg.worker_id,
-            dp_rank: self.cfg.dp_rank,
-            epoch: self.cfg.epoch,
-            ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
-            snapshot,
-            snapshot_end,
-            next_event_id: Some(inner.next_id),
-        };
         let mut msg = Vec::with_capacity(HEADER_BYTES + inner.pending.len());
-        write_batch_header(&mut msg, &header, inner.pending_events);
+        write_batch_header(&mut msg, &self.header(inner, snapshot, snapshot_end), inner.pending_events);
         msg.extend_from_slice(&inner.pending);
         inner.pending.clear();
         inner.pending_events = 0;
@@ -355,17 +351,23 @@ impl Shared {
         }
     }
 
-    fn heartbeat(&self, inner: &mut Inner) {
-        let header = BatchHeader {
+    /// This worker's envelope, stamped now; `next_event_id` tells kvindex what it should
+    /// have seen by the end of this batch.
+    fn header(&self, inner: &Inner, snapshot: bool, snapshot_end: bool) -> BatchHeader {
+        BatchHeader {
             worker_id: self.cfg.worker_id,
             dp_rank: self.cfg.dp_rank,
             epoch: self.cfg.epoch,
             ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+            snapshot,
+            snapshot_end,
             next_event_id: Some(inner.next_id),
-            ..BatchHeader::default()
-        };
+        }
+    }
+
+    fn heartbeat(&self, inner: &mut Inner) {
         let mut msg = Vec::with_capacity(HEADER_BYTES);
-        write_batch_header(&mut msg, &header, 0);
+        write_batch_header(&mut msg, &self.header(inner, false, false), 0);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         self.send(inner, msg.into());
     }

@@ -12,7 +12,7 @@ use kvindex::protocol::{decode_batch, EventBatch, EventData, KvEvent, ResyncAck,
 use kvindex::publisher::{Publisher, PublisherConfig};
 use std::time::Duration;
 use support::engine::{all_queries, ModelEngine};
-use support::NatsServer;
+use support::{NatsProcess, NatsServer};
 
 /// The next batch on `sub` (panics after 5 s), with its size in bytes.
 async fn next_batch(sub: &mut async_nats::Subscriber) -> (EventBatch, usize) {
@@ -33,19 +33,25 @@ fn apply(index: &ReferenceIndex, w: &mut <ReferenceIndex as KvIndex>::Writer, e:
     ev.apply_to(index, w).unplaceable
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batches_by_count_and_linger_then_heartbeats() {
+/// A NATS server, a client, a subscription to worker 7's events, and a publisher with `cfg`.
+async fn start(cfg: PublisherConfig) -> (NatsProcess, async_nats::Client, async_nats::Subscriber, Publisher) {
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut sub = client.subscribe("t.events.7").await.unwrap();
-    let cfg = PublisherConfig {
+    let sub = client.subscribe("t.events.7").await.unwrap();
+    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    (nats, client, sub, p)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_by_count_and_linger_then_heartbeats() {
+    let (_nats, _client, mut sub, p) = start(PublisherConfig {
         max_batch_events: 4,
         linger: Duration::from_millis(50),
         heartbeat: Duration::from_millis(200),
         epoch: 42,
         ..PublisherConfig::new("t", 7, 0)
-    };
-    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    })
+    .await;
     for i in 0..10u64 {
         p.stored(if i == 0 { None } else { Some(BlockHash(i - 1)) }, &[StoredBlock::new(i, i)]);
     }
@@ -53,7 +59,7 @@ async fn batches_by_count_and_linger_then_heartbeats() {
     let mut ids = Vec::new();
     for _ in 0..3 {
         let (b, _) = next_batch(&mut sub).await;
-        assert_eq!((b.worker_id, b.dp_rank, b.epoch, b.snapshot), (7, 0, 42, false));
+        assert_eq!((b.header.worker_id, b.header.dp_rank, b.header.epoch, b.header.snapshot), (7, 0, 42, false));
         sizes.push(b.events.len());
         ids.extend(events_of(&b).iter().map(|e| e.event_id));
     }
@@ -70,11 +76,8 @@ async fn batches_by_count_and_linger_then_heartbeats() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
-    let nats = NatsServer::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut sub = client.subscribe("t.events.7").await.unwrap();
-    let cfg = PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) };
-    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    let (_nats, client, mut sub, p) =
+        start(PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) }).await;
     let mut engine = ModelEngine::new(7, 1, 400).without_resets();
     for _ in 0..2000 {
         engine.step(&p);
@@ -105,7 +108,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
     let mut chunks = 0;
     loop {
         let (b, bytes) = next_batch(&mut sub).await;
-        assert!(b.snapshot, "only snapshot batches follow");
+        assert!(b.header.snapshot, "only snapshot batches follow");
         assert!(bytes <= 1024, "a chunk of {bytes} bytes is over max_batch_bytes");
         for (i, e) in events_of(&b).iter().enumerate() {
             assert_eq!(e.event_id, next_id, "snapshot ids continue the sequence");
@@ -114,7 +117,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
             assert_eq!(apply(&snap, &mut sw, e), 0, "every block's parent came before it");
         }
         chunks += 1;
-        if b.snapshot_end {
+        if b.header.snapshot_end {
             break;
         }
     }
@@ -130,11 +133,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
-    let nats = NatsServer::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut sub = client.subscribe("t.events.7").await.unwrap();
-    let cfg = PublisherConfig { linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 1) };
-    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    let (_nats, client, mut sub, p) = start(PublisherConfig { linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 1) }).await;
     p.stored(None, &[StoredBlock::new(1, 10), StoredBlock::new(2, 20), StoredBlock::new(3, 30)]);
     p.stored(None, &[StoredBlock::new(4, 40)]);
     p.removed(&[BlockHash(1)]);
@@ -149,7 +148,7 @@ async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
     // A broadcast is: blocks 2 and 3 lost their parent and no lookup can reach them.
     client.publish("t.resync", bytes::Bytes::new()).await.unwrap();
     let (b, _) = next_batch(&mut sub).await;
-    assert!(b.snapshot && b.snapshot_end);
+    assert!(b.header.snapshot && b.header.snapshot_end);
     let ev = events_of(&b);
     assert_eq!(ev.len(), 2);
     assert_eq!(ev[0].data, EventData::Cleared);
@@ -160,11 +159,8 @@ async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_chain_longer_than_a_message_is_split_into_chained_events() {
-    let nats = NatsServer::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let mut sub = client.subscribe("t.events.7").await.unwrap();
-    let cfg = PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) };
-    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    let (_nats, _client, mut sub, p) =
+        start(PublisherConfig { max_batch_bytes: 1024, linger: Duration::ZERO, ..PublisherConfig::new("t", 7, 0) }).await;
     let chain: Vec<StoredBlock> = (0..500u64).map(|i| StoredBlock::new(1000 + i, i)).collect();
     p.stored(None, &chain);
     p.removed(&chain[250..].iter().map(|b| b.block_hash).collect::<Vec<_>>());

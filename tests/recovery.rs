@@ -244,18 +244,12 @@ async fn a_flood_of_malformed_messages_beside_good_traffic() {
     let flooder = connect(&nats.url()).await;
     let flood = tokio::spawn(async move {
         let good = kvindex::protocol::encode_batch(&kvindex::protocol::EventBatch {
-            worker_id: 1,
-            dp_rank: 0,
-            epoch: 1,
-            ts_ns: 0,
-            snapshot: false,
-            snapshot_end: false,
-            next_event_id: None,
+            header: kvindex::protocol::BatchHeader { worker_id: 1, epoch: 1, ..Default::default() },
             events: vec![Ok(kvindex::protocol::KvEvent::stored(0, None, &[(1, 2), (3, 4)]))],
         });
         let mismatched = {
             let mut b = kvindex::protocol::decode_batch(&good).unwrap();
-            b.worker_id = 2;
+            b.header.worker_id = 2;
             kvindex::protocol::encode_batch(&b)
         };
         let mut sent = 0u64;

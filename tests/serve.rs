@@ -4,21 +4,15 @@
 mod support;
 
 use kvindex::hash::{local_hashes, StoredBlock};
-use kvindex::protocol::{encode_batch, EventBatch, EventData, KvEvent, LookupRequest, LookupResponse, MatchEntry, Tier};
+use kvindex::protocol::{
+    encode_batch, BatchHeader, EventBatch, EventData, KvEvent, LookupRequest, LookupResponse, MatchEntry, Tier,
+};
 use support::{eventually, Daemon, NatsServer};
 
 fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
     let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-    EventBatch {
-        worker_id,
-        dp_rank: 0,
-        epoch,
-        ts_ns,
-        snapshot: false,
-        snapshot_end: false,
-        next_event_id: None,
-        events: events.into_iter().map(Ok).collect(),
-    }
+    let header = BatchHeader { worker_id, epoch, ts_ns, ..BatchHeader::default() };
+    EventBatch { header, events: events.into_iter().map(Ok).collect() }
 }
 
 fn stored(id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvEvent {
@@ -160,10 +154,10 @@ async fn a_gap_marks_the_worker_stale_until_a_clean_snapshot() {
 
     // The publisher answers with its whole block set, in two snapshot batches.
     let mut first = batch(5, 1, vec![KvEvent { event_id: 3, data: EventData::Cleared }, stored(4, None, &chain(50, &[1, 2]))]);
-    first.snapshot = true;
+    first.header.snapshot = true;
     let mut last = batch(5, 1, vec![stored(5, Some(51), &chain(60, &[4]))]);
-    last.snapshot = true;
-    last.snapshot_end = true;
+    last.header.snapshot = true;
+    last.header.snapshot_end = true;
     publish(&c, 5, &first).await;
     // Mid-snapshot the worker is still stale.
     expect_matches(&c, &by_hashes(&[1, 2, 3]), vec![entry(5, 2, true)]).await;
@@ -342,7 +336,7 @@ async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
     use futures::StreamExt;
     tokio::time::timeout(std::time::Duration::from_secs(10), broadcasts.next()).await.expect("a broadcast resync").unwrap();
     let mut open = batch(1, 1, vec![KvEvent { event_id: 0, data: EventData::Cleared }, stored(1, None, &chain(100, &[1, 2]))]);
-    open.snapshot = true;
+    open.header.snapshot = true;
     publish(&c, 1, &open).await;
     // Its state is partial while the snapshot is open: the worker is flagged stale.
     expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(1, 2, true)]).await;

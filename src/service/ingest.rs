@@ -5,7 +5,7 @@ use super::State;
 use crate::apply::{ApplyPool, WorkerEvent};
 use crate::hash::WorkerId;
 use crate::index::KvIndex;
-use crate::protocol::{decode_batch, EventData, Tier};
+use crate::protocol::{decode_batch, EventBatch, EventData, Tier};
 use std::time::Instant;
 
 /// Where a worker's event sequence stands.
@@ -25,7 +25,7 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id"));
         return;
     };
-    let batch = match decode_batch(payload) {
+    let EventBatch { header: h, events } = match decode_batch(payload) {
         Ok(b) => b,
         Err(e) => {
             state.fail(e.reason(), || format!("dropped a message from worker {subject_id}: {e}"));
@@ -33,37 +33,30 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         }
     };
     m.batches_received.inc();
-    if batch.worker_id != subject_id {
+    if h.worker_id != subject_id {
         state.fail("worker_mismatch", || {
-            format!("dropped a batch for worker {} sent on the subject of worker {subject_id}", batch.worker_id)
+            format!("dropped a batch for worker {} sent on the subject of worker {subject_id}", h.worker_id)
         });
         return;
     }
-    let w = WorkerId::new(batch.worker_id, batch.dp_rank);
-    let mut out = Vec::with_capacity(batch.events.len() + 1);
+    let w = WorkerId::new(h.worker_id, h.dp_rank);
+    let mut out = Vec::with_capacity(events.len() + 1);
     let mut cursors = state.cursors.lock();
-    let c = cursors.entry(w).or_insert(Cursor {
-        epoch: batch.epoch,
-        next_id: None,
-        last_seen: Instant::now(),
-        snapshot_clean: false,
-    });
-    c.last_seen = Instant::now();
-    if c.epoch != batch.epoch {
+    let now = Instant::now();
+    let c = cursors.entry(w).or_insert(Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false });
+    c.last_seen = now;
+    if c.epoch != h.epoch {
         // The publisher restarted: whatever it held before is gone.
         m.epochs_changed.inc();
-        tracing::info!(worker = %w, old = c.epoch, new = batch.epoch, "publisher restarted with a new epoch; clearing the worker");
-        *c = Cursor { epoch: batch.epoch, next_id: None, last_seen: Instant::now(), snapshot_clean: false };
+        tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
+        *c = Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false };
         out.push(WorkerEvent::Cleared);
         state.clear_stale(w);
     }
-    // Nothing is known of this worker's sequence (first heard from, new epoch, expired): unless
-    // it starts at event 0 or with a snapshot, events came before that this index never saw.
-    let mut unknown_history = c.next_id.is_none();
     let mut midstream = false;
     let mut gap = false;
     let mut opened = false;
-    for ev in batch.events {
+    for ev in events {
         let ev = match ev {
             Ok(ev) => ev,
             Err(e) => {
@@ -71,12 +64,12 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
                 continue;
             }
         };
-        let opens_snapshot = batch.snapshot && ev.data == EventData::Cleared;
-        if unknown_history {
-            unknown_history = false;
-            midstream = ev.event_id != 0 && !opens_snapshot;
-        }
+        let opens_snapshot = h.snapshot && ev.data == EventData::Cleared;
         match c.next_id {
+            // Nothing is known of this worker's sequence (first heard from, new epoch,
+            // expired): unless it starts at event 0 or with a snapshot, events came before
+            // that this index never saw.
+            None => midstream = ev.event_id != 0 && !opens_snapshot,
             Some(n) if ev.event_id < n => {
                 m.duplicate_events.inc();
                 continue;
@@ -99,21 +92,21 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
                 m.non_device_blocks.with_label_values(&[tier.as_str()]).inc_by(blocks.len() as u64);
             }
             EventData::Stored { parent, blocks, .. } => {
-                m.events_applied.with_label_values(&["stored"]).inc();
+                m.hot.events_stored.inc();
                 out.push(WorkerEvent::Stored { parent, blocks });
             }
             EventData::Removed { hashes } => {
-                m.events_applied.with_label_values(&["removed"]).inc();
+                m.hot.events_removed.inc();
                 out.push(WorkerEvent::Removed { hashes });
             }
             EventData::Cleared => {
-                m.events_applied.with_label_values(&["cleared"]).inc();
+                m.hot.events_cleared.inc();
                 out.push(WorkerEvent::Cleared);
             }
         }
     }
     // The publisher's next event id shows events lost at the tail (a heartbeat after them).
-    match (batch.next_event_id, c.next_id) {
+    match (h.next_event_id, c.next_id) {
         (Some(n), Some(x)) if n > x => {
             m.event_gaps.inc();
             gap = true;
@@ -128,17 +121,17 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         (None, None) => midstream = true,
         _ => {}
     }
-    let snapshot_done = batch.snapshot && batch.snapshot_end && c.snapshot_clean && !gap;
-    if batch.snapshot_end {
+    let snapshot_done = h.snapshot && h.snapshot_end && c.snapshot_clean && !gap;
+    if h.snapshot_end {
         c.snapshot_clean = false;
     }
     drop(cursors);
-    if batch.snapshot && (opened || batch.snapshot_end) {
-        state.snapshot_progress(w, opened, batch.snapshot_end);
+    if h.snapshot && (opened || h.snapshot_end) {
+        state.snapshot_progress(w, opened, h.snapshot_end);
         m.snapshots
             .with_label_values(&[if snapshot_done {
                 "complete"
-            } else if batch.snapshot_end {
+            } else if h.snapshot_end {
                 "gap"
             } else {
                 "begun"
@@ -154,15 +147,15 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         state.mark_stale(w);
     } else if snapshot_done {
         state.clear_stale(w);
-    } else if opened && !batch.snapshot_end {
+    } else if opened && !h.snapshot_end {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
         state.mark_snapshotting(w);
     }
     if !out.is_empty() {
-        if let Err(full) = pool.try_apply(w, out, batch.ts_ns) {
+        if let Err(full) = pool.try_apply(w, out, h.ts_ns) {
             // Backpressure: wait for the worker's apply thread rather than drop anything.
-            tokio::task::block_in_place(|| pool.apply(full.worker, full.events, batch.ts_ns));
+            tokio::task::block_in_place(|| pool.apply(full.worker, full.events, h.ts_ns));
         }
     }
 }

@@ -32,7 +32,7 @@ pub(super) async fn serve_lookups<I: KvIndex>(
 /// Answers one lookup request; an undecodable request gets an `error` reply.
 async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: async_nats::Message) {
     let start = Instant::now();
-    let (resp, result) = match LookupRequest::decode(&msg.payload) {
+    let (resp, ok) = match LookupRequest::decode(&msg.payload) {
         Ok(req) => {
             let query = req.local_hashes();
             let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
@@ -46,11 +46,11 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
                     stale: state.stale.contains_key(&m.worker),
                 })
                 .collect();
-            (LookupResponse::Matches { matches }, "ok")
+            (LookupResponse::Matches { matches }, true)
         }
         Err(error) => {
             state.log.warn("bad_lookup", || format!("lookup request rejected: {error}"));
-            (LookupResponse::Error { error }, "error")
+            (LookupResponse::Error { error }, false)
         }
     };
     if let Some(reply) = msg.reply {
@@ -58,6 +58,9 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
             state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
         }
     }
-    state.metrics.lookups.with_label_values(&[result]).inc();
-    state.metrics.lookup_duration.with_label_values(&[result]).observe(start.elapsed().as_secs_f64());
+    let hot = &state.metrics.hot;
+    let (count, duration) =
+        if ok { (&hot.lookups_ok, &hot.lookup_duration_ok) } else { (&hot.lookups_error, &hot.lookup_duration_error) };
+    count.inc();
+    duration.observe(start.elapsed().as_secs_f64());
 }

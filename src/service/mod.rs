@@ -178,8 +178,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         let state = state.clone();
         Arc::new(move |worker, out, ts_ns| {
             let m = &state.metrics;
-            m.blocks_applied.with_label_values(&["stored"]).inc_by(out.stored);
-            m.blocks_applied.with_label_values(&["removed"]).inc_by(out.removed);
+            m.hot.blocks_stored.inc_by(out.stored);
+            m.hot.blocks_removed.inc_by(out.removed);
             m.unknown_removes.inc_by(out.unknown_removes);
             if out.unplaceable > 0 {
                 // Its position and prefix are unknown: the worker's state is off until a resync.

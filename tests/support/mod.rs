@@ -4,7 +4,6 @@
 
 use kvindex::config::Config;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 pub use kvindex::e2e::NatsProcess;
 
@@ -28,8 +27,7 @@ impl NatsServer {
 /// `kvindex serve` in this process; `stop` shuts it down the way SIGTERM does.
 pub struct Daemon {
     pub cfg: Config,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    handle: tokio::task::JoinHandle<anyhow::Result<()>>,
+    inner: kvindex::e2e::Daemon,
 }
 
 impl Daemon {
@@ -44,17 +42,8 @@ impl Daemon {
             ..Config::default()
         };
         tune(&mut cfg);
-        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-        let handle = tokio::spawn(kvindex::service::serve(cfg.clone(), async move {
-            let _ = rx.await;
-        }));
-        let d = Daemon { cfg, stop: Some(tx), handle };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while d.http_get("/readyz").await.map(|(code, _)| code) != Some(200) {
-            assert!(Instant::now() < deadline, "kvindex did not become ready");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        d
+        let inner = kvindex::e2e::Daemon::start(cfg.clone()).await.expect("kvindex becomes ready");
+        Daemon { cfg, inner }
     }
 
     /// GET `path` from the metrics server: (status, body).
@@ -71,34 +60,12 @@ impl Daemon {
         metric_value(&self.metrics().await, sample)
     }
 
-    pub async fn stop(mut self) -> anyhow::Result<()> {
-        if let Some(tx) = self.stop.take() {
-            let _ = tx.send(());
-        }
-        tokio::time::timeout(Duration::from_secs(10), &mut self.handle).await.expect("stops in time").expect("not panicked")
+    pub async fn stop(self) -> anyhow::Result<()> {
+        tokio::time::timeout(Duration::from_secs(10), self.inner.stop()).await.expect("stops in time")
     }
 }
 
-/// GET `path` from an HTTP server (HTTP/1.0, so the server closes): (status, body).
-pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    let get = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).await.ok()?;
-        let code = buf.split_whitespace().nth(1)?.parse().ok()?;
-        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-        Some((code, body))
-    };
-    tokio::time::timeout(Duration::from_secs(5), get).await.ok().flatten()
-}
-
-/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
-pub fn metric_value(text: &str, sample: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(sample).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
+pub use kvindex::e2e::{http_get, sample as metric_value};
 
 /// Retries `check` until it returns `Some` or `secs` pass.
 pub async fn eventually<T, F, Fut>(secs: u64, mut check: F) -> Option<T>
