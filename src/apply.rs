@@ -3,9 +3,10 @@
 //! events apply in order and its writer (reverse map) is owned by that thread alone. Queues
 //! are bounded: a full queue blocks the sender (backpressure), nothing is dropped.
 
-use crate::hash::{BlockHash, StoredBlock, WorkerId};
-use crate::index::{ApplyOutcome, KvIndex};
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
+use kvindex_core::hash::WorkerId;
+use kvindex_core::index::{ApplyOutcome, KvIndex};
+use kvindex_core::Event;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::hash::BuildHasher;
@@ -13,30 +14,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-/// One KV event of a worker, decoded.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WorkerEvent {
-    Stored { parent: Option<BlockHash>, blocks: Vec<StoredBlock> },
-    Removed { hashes: Vec<BlockHash> },
-    Cleared,
-}
-
-impl WorkerEvent {
-    /// Applies this event to `index` through the worker's writer.
-    pub fn apply_to<I: KvIndex>(&self, index: &I, w: &mut I::Writer) -> ApplyOutcome {
-        match self {
-            WorkerEvent::Stored { parent, blocks } => index.store(w, *parent, blocks),
-            WorkerEvent::Removed { hashes } => index.remove(w, hashes),
-            WorkerEvent::Cleared => index.clear(w),
-        }
-    }
-}
-
 /// Called on the apply thread after each batch: the worker, what the batch did, its tag.
 pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64) + Send + Sync>;
 
 enum Command {
-    Apply { worker: WorkerId, events: Vec<WorkerEvent>, tag: u64 },
+    Apply { worker: WorkerId, events: Vec<Event>, tag: u64 },
     RemoveWorker(WorkerId),
     Flush(Sender<()>),
 }
@@ -45,7 +27,7 @@ enum Command {
 #[derive(Debug)]
 pub struct QueueFull {
     pub worker: WorkerId,
-    pub events: Vec<WorkerEvent>,
+    pub events: Vec<Event>,
 }
 
 /// Counters of the pool, for metrics.
@@ -97,14 +79,14 @@ impl<I: KvIndex> ApplyPool<I> {
     }
 
     /// Queues a worker's batch, waiting while its thread's queue is full.
-    pub fn apply(&self, worker: WorkerId, events: Vec<WorkerEvent>, tag: u64) {
+    pub fn apply(&self, worker: WorkerId, events: Vec<Event>, tag: u64) {
         let t = self.thread_of(worker);
         // Send fails only once the thread has exited, which happens only on shutdown.
         let _ = self.senders[t].send(Command::Apply { worker, events, tag });
     }
 
     /// Queues a worker's batch, or hands it back if its thread's queue is full.
-    pub fn try_apply(&self, worker: WorkerId, events: Vec<WorkerEvent>, tag: u64) -> Result<(), QueueFull> {
+    pub fn try_apply(&self, worker: WorkerId, events: Vec<Event>, tag: u64) -> Result<(), QueueFull> {
         let t = self.thread_of(worker);
         match self.senders[t].try_send(Command::Apply { worker, events, tag }) {
             Ok(()) => Ok(()),

@@ -1,10 +1,10 @@
 //! Configuration, layered (DESIGN §4): built-in defaults < `config/kvindex.toml` (or
 //! `--config FILE`) < `KVINDEX_*` environment < command-line flags.
 
-use crate::index::positional::PositionalConfig;
-use crate::index::Backend;
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
+use kvindex_core::index::positional::PositionalConfig;
+use kvindex_core::index::Backend;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 

@@ -141,8 +141,8 @@ impl Metrics {
             non_device_blocks: counter_vec(
                 &r,
                 "kvindex_non_device_blocks_total",
-                "Stored blocks on host or disk tiers (counted, not matched).",
-                &["tier"],
+                "Blocks of stored and removed events on host or disk tiers (counted, never matched as device blocks).",
+                &["tier", "kind"],
             ),
             resync_requests: counter_vec(&r, "kvindex_resync_requests_total", "Resync requests sent, by scope.", &["scope"]),
             resync_unanswered: counter(

@@ -1,18 +1,26 @@
 //! The apply pool: per-worker order, backpressure, flush, worker removal, and lookups running
 //! while several threads write.
 
-use kvindex::apply::{ApplyPool, OnApplied, WorkerEvent};
-use kvindex::bench::{Op, Workload};
-use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex::index::radix::RadixIndex;
-use kvindex::index::reference::ReferenceIndex;
-use kvindex::index::{KvIndex, MatchOptions};
-use kvindex::trace::{read_trace_file, MockConfig, MockEngine};
+// The CLI's tooling (mock engine, replay stream, bench), included by path: it is part of the
+// binary, not library API.
+#[allow(dead_code)]
+#[path = "../src/tools/mod.rs"]
+mod tools;
+
+use kvindex::apply::{ApplyPool, OnApplied};
+use kvindex_core::hash::{LocalHash, WorkerId};
+use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::{KvIndex, MatchOptions};
+use kvindex_core::Event;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
+use tools::bench::Workload;
+use tools::stream::Op;
+use tools::trace::{read_trace_file, MockConfig, MockEngine};
 
 fn workload() -> Workload {
     let trace = read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).unwrap();
@@ -114,9 +122,7 @@ fn full_queue_pushes_back_and_loses_nothing() {
     });
     let pool = ApplyPool::new(index.clone(), 1, 2, Some(hook));
     let w = WorkerId::new(1, 0);
-    let batch = |i: u64| {
-        vec![WorkerEvent::Stored { parent: (i > 0).then(|| BlockHash(i - 1)), blocks: vec![StoredBlock::new(i, 100 + i)] }]
-    };
+    let batch = |i: u64| vec![Event::stored((i > 0).then(|| i - 1), &[(i, 100 + i)])];
     pool.apply(w, batch(0), 1);
     entered_rx.recv().unwrap();
     pool.apply(w, batch(1), 0);
@@ -139,11 +145,7 @@ fn remove_worker_applies_after_queued_events_and_frees_the_slot() {
     let a = WorkerId::new(1, 0);
     let b = WorkerId::new(2, 3);
     for w in [a, b] {
-        pool.apply(
-            w,
-            vec![WorkerEvent::Stored { parent: None, blocks: vec![StoredBlock::new(5, 50), StoredBlock::new(6, 60)] }],
-            0,
-        );
+        pool.apply(w, vec![Event::stored(None, &[(5, 50), (6, 60)])], 0);
     }
     pool.remove_worker(a);
     pool.flush();

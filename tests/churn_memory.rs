@@ -4,17 +4,23 @@
 //! which this test binary installs; allocation sizes do not depend on timing, so the figures
 //! are the same on every run.
 
-use kvindex::alloc::CountingAlloc;
-use kvindex::bench::churn;
-use kvindex::index::Backend;
-use kvindex::trace::{read_trace_file, MockConfig};
+// The CLI's tooling (mock engine, replay stream, bench), included by path: it is part of the
+// binary, not library API.
+#[allow(dead_code)]
+#[path = "../src/tools/mod.rs"]
+mod tools;
+
+use kvindex_core::index::Backend;
+use tools::alloc::CountingAlloc;
+use tools::bench::churn;
+use tools::trace::{read_trace_file, MockConfig};
 
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
 #[test]
 fn churn_keeps_memory_flat_and_emptying_gives_it_back() {
-    kvindex::alloc::enable();
+    tools::alloc::enable();
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
     let mut trace = read_trace_file(std::path::Path::new(path)).unwrap();
     trace.truncate(4000);

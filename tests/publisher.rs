@@ -4,12 +4,12 @@
 mod support;
 
 use futures::StreamExt;
-use kvindex::apply::WorkerEvent;
-use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex::index::reference::ReferenceIndex;
-use kvindex::index::{KvIndex, MatchOptions};
-use kvindex::protocol::{decode_batch, EventBatch, EventData, KvEvent, ResyncAck, ResyncRequest};
-use kvindex::publisher::{Publisher, PublisherConfig};
+use kvindex_client::protocol::{decode_batch, EventBatch, KvEvent, ResyncAck, ResyncRequest};
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::{KvIndex, MatchOptions};
+use kvindex_core::Event;
 use std::time::Duration;
 use support::engine::{all_queries, ModelEngine};
 use support::{NatsProcess, NatsServer};
@@ -25,12 +25,7 @@ fn events_of(b: &EventBatch) -> Vec<KvEvent> {
 }
 
 fn apply(index: &ReferenceIndex, w: &mut <ReferenceIndex as KvIndex>::Writer, e: &KvEvent) -> u64 {
-    let ev = match &e.data {
-        EventData::Stored { parent, blocks, .. } => WorkerEvent::Stored { parent: *parent, blocks: blocks.clone() },
-        EventData::Removed { hashes } => WorkerEvent::Removed { hashes: hashes.clone() },
-        EventData::Cleared => WorkerEvent::Cleared,
-    };
-    ev.apply_to(index, w).unplaceable
+    e.data.apply_to(index, w).unplaceable
 }
 
 /// A NATS server, a client, a subscription to worker 7's events, and a publisher with `cfg`.
@@ -113,7 +108,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
         for (i, e) in events_of(&b).iter().enumerate() {
             assert_eq!(e.event_id, next_id, "snapshot ids continue the sequence");
             next_id += 1;
-            assert_eq!(chunks == 0 && i == 0, e.data == EventData::Cleared, "the first event, and only it, clears");
+            assert_eq!(chunks == 0 && i == 0, e.data == Event::Cleared, "the first event, and only it, clears");
             assert_eq!(apply(&snap, &mut sw, e), 0, "every block's parent came before it");
         }
         chunks += 1;
@@ -151,7 +146,7 @@ async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
     assert!(b.header.snapshot && b.header.snapshot_end);
     let ev = events_of(&b);
     assert_eq!(ev.len(), 2);
-    assert_eq!(ev[0].data, EventData::Cleared);
+    assert_eq!(ev[0].data, Event::Cleared);
     assert_eq!(ev[1], KvEvent::stored(4, None, &[(4, 40)]));
     assert_eq!(p.stats().orphans_skipped, 2);
     assert_eq!(p.len(), 3);

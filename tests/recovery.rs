@@ -7,7 +7,7 @@ mod support;
 
 use async_nats::{Client, ConnectOptions};
 use futures::StreamExt;
-use kvindex::publisher::{Publisher, PublisherConfig};
+use kvindex_client::publisher::{Publisher, PublisherConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -243,14 +243,14 @@ async fn a_flood_of_malformed_messages_beside_good_traffic() {
 
     let flooder = connect(&nats.url()).await;
     let flood = tokio::spawn(async move {
-        let good = kvindex::protocol::encode_batch(&kvindex::protocol::EventBatch {
-            header: kvindex::protocol::BatchHeader { worker_id: 1, epoch: 1, ..Default::default() },
-            events: vec![Ok(kvindex::protocol::KvEvent::stored(0, None, &[(1, 2), (3, 4)]))],
+        let good = kvindex_client::protocol::encode_batch(&kvindex_client::protocol::EventBatch {
+            header: kvindex_client::protocol::BatchHeader { worker_id: 1, epoch: 1, ..Default::default() },
+            events: vec![Ok(kvindex_client::protocol::KvEvent::stored(0, None, &[(1, 2), (3, 4)]))],
         });
         let mismatched = {
-            let mut b = kvindex::protocol::decode_batch(&good).unwrap();
+            let mut b = kvindex_client::protocol::decode_batch(&good).unwrap();
             b.header.worker_id = 2;
-            kvindex::protocol::encode_batch(&b)
+            kvindex_client::protocol::encode_batch(&b)
         };
         let mut sent = 0u64;
         loop {

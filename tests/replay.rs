@@ -1,16 +1,23 @@
 //! The mock engine against the figures STREAM.md gives for the reference configuration, and
 //! every backend against the reference model on a replay of the real trace.
 
-use kvindex::apply::WorkerEvent;
-use kvindex::bench::{Op, Workload};
-use kvindex::hash::WorkerId;
-use kvindex::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex::index::radix::RadixIndex;
-use kvindex::index::reference::ReferenceIndex;
-use kvindex::index::{KvIndex, MatchOptions, WorkerMatch};
-use kvindex::stream::{read_stream, write_stream, StreamOp};
-use kvindex::trace::{read_trace_file, MockConfig, MockEngine, TraceRequest};
+// The CLI's tooling (mock engine, replay stream, bench), included by path: it is part of the
+// binary, not library API.
+#[allow(dead_code)]
+#[path = "../src/tools/mod.rs"]
+mod tools;
+
+use kvindex_core::hash::WorkerId;
+use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::Event;
 use std::collections::HashMap;
+use tools::bench::Workload;
+use tools::stream::Op;
+use tools::stream::{read_stream, write_stream, StreamOp};
+use tools::trace::{read_trace_file, MockConfig, MockEngine, TraceRequest};
 
 fn trace() -> Vec<TraceRequest> {
     read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).expect("shipped trace")
@@ -57,11 +64,11 @@ fn replay<I: KvIndex>(index: &I, wl: &Workload) -> Vec<Vec<WorkerMatch>> {
             Op::Event(w, ev) => {
                 let wr = writers.entry(*w).or_insert_with(|| index.writer(*w).unwrap());
                 match ev {
-                    WorkerEvent::Stored { parent, blocks } => {
+                    Event::Stored { parent, blocks, .. } => {
                         assert_eq!(index.store(wr, *parent, blocks).stored, blocks.len() as u64)
                     }
-                    WorkerEvent::Removed { hashes } => assert_eq!(index.remove(wr, hashes).removed, hashes.len() as u64),
-                    WorkerEvent::Cleared => {
+                    Event::Removed { hashes, .. } => assert_eq!(index.remove(wr, hashes).removed, hashes.len() as u64),
+                    Event::Cleared => {
                         index.clear(wr);
                     }
                 }

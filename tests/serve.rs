@@ -3,10 +3,9 @@
 
 mod support;
 
-use kvindex::hash::{local_hashes, StoredBlock};
-use kvindex::protocol::{
-    encode_batch, BatchHeader, EventBatch, EventData, KvEvent, LookupRequest, LookupResponse, MatchEntry, Tier,
-};
+use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent, LookupRequest, LookupResponse, MatchEntry};
+use kvindex_core::hash::{local_hashes, BlockHash, StoredBlock};
+use kvindex_core::{Event, Tier};
 use support::{eventually, Daemon, NatsServer};
 
 fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
@@ -97,7 +96,7 @@ async fn bad_input_is_counted_and_nothing_else_is_lost() {
     publish(&c, 3, &batch(4, 1, vec![stored(0, None, &chain(10, &[7, 8]))])).await;
     // A bad event between good ones: its siblings still apply.
     let mut mixed = batch(3, 1, vec![stored(0, None, &chain(10, &[7, 8])), stored(2, Some(11), &chain(12, &[9]))]);
-    mixed.events.insert(1, Err(kvindex::protocol::DecodeError::BadEvent));
+    mixed.events.insert(1, Err(kvindex_client::protocol::DecodeError::BadEvent));
     let mut raw = rmpv::decode::read_value(&mut &encode_batch(&mixed)[..]).unwrap();
     if let rmpv::Value::Map(m) = &mut raw {
         for (k, v) in m.iter_mut() {
@@ -153,7 +152,7 @@ async fn a_gap_marks_the_worker_stale_until_a_clean_snapshot() {
     assert_eq!(d.metric("kvindex_stale_workers").await, 1.0);
 
     // The publisher answers with its whole block set, in two snapshot batches.
-    let mut first = batch(5, 1, vec![KvEvent { event_id: 3, data: EventData::Cleared }, stored(4, None, &chain(50, &[1, 2]))]);
+    let mut first = batch(5, 1, vec![KvEvent { event_id: 3, data: Event::Cleared }, stored(4, None, &chain(50, &[1, 2]))]);
     first.header.snapshot = true;
     let mut last = batch(5, 1, vec![stored(5, Some(51), &chain(60, &[4]))]);
     last.header.snapshot = true;
@@ -192,15 +191,27 @@ async fn duplicates_unplaceable_stores_and_new_epochs() {
     assert_eq!(lookup(&c, &by_hashes(&[1])).await, LookupResponse::Matches { matches: vec![] });
     assert_eq!(d.metric("kvindex_epoch_changes_total").await, 1.0);
     // Host-tier blocks are counted, never matched.
-    let host = KvEvent {
-        event_id: 1,
-        data: EventData::Stored { parent: None, blocks: vec![StoredBlock::new(95, 33)], tier: Tier::Host },
-    };
+    let host =
+        KvEvent { event_id: 1, data: Event::Stored { parent: None, blocks: vec![StoredBlock::new(95, 33)], tier: Tier::Host } };
     publish(&c, 6, &batch(6, 2, vec![host])).await;
-    assert!(eventually(5, || async { (d.metric("kvindex_non_device_blocks_total{tier=\"host\"}").await == 1.0).then_some(()) })
-        .await
-        .is_some());
+    assert!(eventually(5, || async {
+        (d.metric("kvindex_non_device_blocks_total{kind=\"stored\",tier=\"host\"}").await == 1.0).then_some(())
+    })
+    .await
+    .is_some());
     assert_eq!(lookup(&c, &by_hashes(&[33])).await, LookupResponse::Matches { matches: vec![] });
+    // The block offloaded to host memory, then evicted there: the device copy stays.
+    let host_evict = KvEvent { event_id: 2, data: Event::Removed { hashes: vec![BlockHash(90)], tier: Tier::Host } };
+    publish(&c, 6, &batch(6, 2, vec![host_evict])).await;
+    assert!(eventually(5, || async {
+        (d.metric("kvindex_non_device_blocks_total{kind=\"removed\",tier=\"host\"}").await == 1.0).then_some(())
+    })
+    .await
+    .is_some());
+    expect_matches(&c, &by_hashes(&[5]), vec![entry(6, 1, false)]).await;
+    let device_evict = KvEvent { event_id: 3, data: Event::removed(&[90]) };
+    publish(&c, 6, &batch(6, 2, vec![device_evict])).await;
+    expect_matches(&c, &by_hashes(&[5]), vec![]).await;
     d.stop().await.unwrap();
 }
 
@@ -335,7 +346,7 @@ async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
     // A publisher answers the start-up broadcast with a snapshot it never finishes.
     use futures::StreamExt;
     tokio::time::timeout(std::time::Duration::from_secs(10), broadcasts.next()).await.expect("a broadcast resync").unwrap();
-    let mut open = batch(1, 1, vec![KvEvent { event_id: 0, data: EventData::Cleared }, stored(1, None, &chain(100, &[1, 2]))]);
+    let mut open = batch(1, 1, vec![KvEvent { event_id: 0, data: Event::Cleared }, stored(1, None, &chain(100, &[1, 2]))]);
     open.header.snapshot = true;
     publish(&c, 1, &open).await;
     // Its state is partial while the snapshot is open: the worker is flagged stale.

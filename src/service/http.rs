@@ -2,7 +2,7 @@
 
 use super::State;
 use crate::apply::ApplyPool;
-use crate::index::KvIndex;
+use kvindex_core::index::KvIndex;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 

@@ -2,10 +2,11 @@
 //! (duplicates, gaps, epochs, snapshots), and the hand-off to the apply pool.
 
 use super::State;
-use crate::apply::{ApplyPool, WorkerEvent};
-use crate::hash::WorkerId;
-use crate::index::KvIndex;
-use crate::protocol::{decode_batch, EventBatch, EventData, Tier};
+use crate::apply::ApplyPool;
+use kvindex_client::protocol::{decode_batch, EventBatch};
+use kvindex_core::hash::WorkerId;
+use kvindex_core::index::KvIndex;
+use kvindex_core::{Event, Tier};
 use std::time::Instant;
 
 /// Where a worker's event sequence stands.
@@ -50,7 +51,7 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         m.epochs_changed.inc();
         tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
         *c = Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false };
-        out.push(WorkerEvent::Cleared);
+        out.push(Event::Cleared);
         state.clear_stale(w);
     }
     let mut midstream = false;
@@ -64,7 +65,7 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
                 continue;
             }
         };
-        let opens_snapshot = h.snapshot && ev.data == EventData::Cleared;
+        let opens_snapshot = h.snapshot && ev.data == Event::Cleared;
         match c.next_id {
             // Nothing is known of this worker's sequence (first heard from, new epoch,
             // expired): unless it starts at event 0 or with a snapshot, events came before
@@ -87,23 +88,22 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
             c.snapshot_clean = true;
             opened = true;
         }
-        match ev.data {
-            EventData::Stored { tier, blocks, .. } if tier != Tier::Device => {
-                m.non_device_blocks.with_label_values(&[tier.as_str()]).inc_by(blocks.len() as u64);
+        match &ev.data {
+            // Host and disk copies are kept out of the device index: a removal there must not
+            // drop the device copy, and a store there is not a GPU hit.
+            Event::Stored { tier, blocks, .. } if *tier != Tier::Device => {
+                m.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
+                continue;
             }
-            EventData::Stored { parent, blocks, .. } => {
-                m.hot.events_stored.inc();
-                out.push(WorkerEvent::Stored { parent, blocks });
+            Event::Removed { tier, hashes } if *tier != Tier::Device => {
+                m.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
+                continue;
             }
-            EventData::Removed { hashes } => {
-                m.hot.events_removed.inc();
-                out.push(WorkerEvent::Removed { hashes });
-            }
-            EventData::Cleared => {
-                m.hot.events_cleared.inc();
-                out.push(WorkerEvent::Cleared);
-            }
+            Event::Stored { .. } => m.hot.events_stored.inc(),
+            Event::Removed { .. } => m.hot.events_removed.inc(),
+            Event::Cleared => m.hot.events_cleared.inc(),
         }
+        out.push(ev.data);
     }
     // The publisher's next event id shows events lost at the tail (a heartbeat after them).
     match (h.next_event_id, c.next_id) {

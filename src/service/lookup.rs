@@ -1,10 +1,10 @@
 //! Routers' lookups: one queue subscriber per core, each answering in turn.
 
 use super::State;
-use crate::index::{KvIndex, MatchOptions};
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry};
 use async_nats::Client;
 use futures::StreamExt;
+use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry};
+use kvindex_core::index::{KvIndex, MatchOptions};
 use std::sync::Arc;
 use std::time::Instant;
 

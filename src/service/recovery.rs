@@ -3,10 +3,10 @@
 
 use super::State;
 use crate::apply::ApplyPool;
-use crate::hash::WorkerId;
-use crate::index::KvIndex;
-use crate::protocol::ResyncRequest;
 use async_nats::{Client, Event};
+use kvindex_client::protocol::ResyncRequest;
+use kvindex_core::hash::WorkerId;
+use kvindex_core::index::KvIndex;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -3,9 +3,9 @@
 //! as engines do. It reports through a real `Publisher`, and it is the truth lookups are
 //! checked against.
 
-use kvindex::hash::{BlockHash, StoredBlock};
-use kvindex::protocol::{LookupRequest, LookupResponse, MatchEntry};
-use kvindex::publisher::Publisher;
+use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry};
+use kvindex_client::publisher::Publisher;
+use kvindex_core::hash::{BlockHash, StoredBlock};
 use std::collections::BTreeMap;
 
 /// Local hashes are drawn from `0..ALPHABET`.
@@ -92,7 +92,7 @@ impl ModelEngine {
                 if first_new.is_none() {
                     first_new = Some(parent);
                 }
-                chain.push(StoredBlock { block_hash: h, tokens_hash: kvindex::hash::LocalHash(l) });
+                chain.push(StoredBlock { block_hash: h, tokens_hash: kvindex_core::hash::LocalHash(l) });
                 self.blocks.insert(h, (parent, l));
                 if let Some(par) = parent {
                     *self.children.entry(par).or_default() += 1;

@@ -5,10 +5,14 @@
 use kvindex::config::Config;
 use std::time::{Duration, Instant};
 
-pub use kvindex::e2e::NatsProcess;
+// The harness the CLI's e2e run uses too, included by path: one copy, and not library API.
+#[path = "../../src/tools/harness.rs"]
+mod harness;
+
+pub use harness::NatsProcess;
 
 pub fn free_port() -> u16 {
-    kvindex::e2e::free_port().expect("a free port")
+    harness::free_port().expect("a free port")
 }
 
 /// A NATS server of the test's own, on loopback, stopped on drop.
@@ -27,7 +31,7 @@ impl NatsServer {
 /// `kvindex serve` in this process; `stop` shuts it down the way SIGTERM does.
 pub struct Daemon {
     pub cfg: Config,
-    inner: kvindex::e2e::Daemon,
+    inner: harness::Daemon,
 }
 
 impl Daemon {
@@ -42,7 +46,7 @@ impl Daemon {
             ..Config::default()
         };
         tune(&mut cfg);
-        let inner = kvindex::e2e::Daemon::start(cfg.clone()).await.expect("kvindex becomes ready");
+        let inner = harness::Daemon::start(cfg.clone()).await.expect("kvindex becomes ready");
         Daemon { cfg, inner }
     }
 
@@ -65,7 +69,7 @@ impl Daemon {
     }
 }
 
-pub use kvindex::e2e::{http_get, sample as metric_value};
+pub use harness::{http_get, sample as metric_value};
 
 /// Retries `check` until it returns `Some` or `secs` pass.
 pub async fn eventually<T, F, Fut>(secs: u64, mut check: F) -> Option<T>

@@ -1,9 +1,9 @@
 //! Mooncake traces and the mock engine (`../shared/STREAM.md`) that turns a trace into the
 //! event and lookup stream of a fleet of workers with bounded LRU prefix caches.
 
-use crate::hash::HASH_SEED;
-use crate::stream::StreamOp;
+use crate::tools::stream::StreamOp;
 use anyhow::{Context, Result};
+use kvindex_core::hash::HASH_SEED;
 use rustc_hash::FxHashMap;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -25,7 +25,7 @@ pub struct TraceRequest {
 
 /// Reads a Mooncake trace (JSONL); a bad line is an error naming its line number.
 pub fn read_trace(r: impl BufRead) -> Result<Vec<TraceRequest>> {
-    crate::stream::read_jsonl(r, "trace")
+    crate::tools::stream::read_jsonl(r, "trace")
 }
 
 /// Reads a trace file.

@@ -1,14 +1,11 @@
-//! Criterion micro-benchmarks of the hot paths: store a chain, remove one, look up a prefix,
-//! for the positional and radix backends; and decoding an event batch off the wire.
-//! `kvindex bench` measures whole replays.
+//! Criterion micro-benchmarks of the index's hot paths: store a chain, remove one, look up a
+//! prefix, for the positional and radix backends. `kvindex bench` measures whole replays;
+//! kvindex-client's `decode` bench measures the wire decoder.
 
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex::index::radix::RadixIndex;
-use kvindex::index::{KvIndex, MatchOptions};
-use kvindex::trace::{mock_block_hash, mock_local_hash};
+use kvindex_core::{BlockHash, KvIndex, LocalHash, MatchOptions, PositionalIndex, RadixIndex, StoredBlock, WorkerId};
 use std::time::{Duration, Instant};
+use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 const WORKERS: u64 = 16;
 const CHAIN: usize = 256;
@@ -21,8 +18,8 @@ fn chains(n: u64) -> Vec<Vec<StoredBlock>> {
             (0..CHAIN as u64)
                 .map(|i| {
                     let id = if i < CHAIN as u64 / 2 { i } else { c * 1_000_000 + i };
-                    let l = mock_local_hash(id);
-                    prev = if i == 0 { l } else { mock_block_hash(prev, l) };
+                    let l = xxh3_64_with_seed(&id.to_le_bytes(), 1337);
+                    prev = if i == 0 { l } else { xxh3_64_with_seed(&[prev.to_le_bytes(), l.to_le_bytes()].concat(), 1337) };
                     StoredBlock::new(prev, l)
                 })
                 .collect()
@@ -87,35 +84,9 @@ fn bench_backend<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
     g.finish();
 }
 
-/// A publisher's full batch: 256 events, three stores of 16-block chains to one removal.
-fn bench_decode(c: &mut Criterion) {
-    use kvindex::protocol::{decode_batch, encode_batch, BatchHeader, EventBatch, EventData, KvEvent};
-    let chains = chains(64);
-    let events: Vec<_> = (0..256u64)
-        .map(|i| {
-            let c = &chains[i as usize % 64];
-            let data = if i % 4 == 3 {
-                EventData::Removed { hashes: c[..16].iter().map(|b| b.block_hash).collect() }
-            } else {
-                let k = (i as usize % 14) * 16;
-                EventData::Stored { parent: Some(c[k].block_hash), blocks: c[k + 1..k + 17].to_vec(), tier: Default::default() }
-            };
-            Ok(KvEvent { event_id: i, data })
-        })
-        .collect();
-    let header = BatchHeader { worker_id: 3, epoch: 1, ts_ns: 1, next_event_id: Some(256), ..BatchHeader::default() };
-    let batch = EventBatch { header, events };
-    let bytes = encode_batch(&batch);
-    let mut g = c.benchmark_group("protocol");
-    g.throughput(Throughput::Elements(256 * 16));
-    g.bench_function("decode_batch_4096_blocks", |b| b.iter(|| decode_batch(black_box(&bytes))));
-    g.finish();
-}
-
 fn benches(c: &mut Criterion) {
-    bench_backend(c, || PositionalIndex::new(PositionalConfig::default()));
+    bench_backend(c, PositionalIndex::default);
     bench_backend(c, || RadixIndex::new(1 << 16, 1 << 16));
-    bench_decode(c);
 }
 
 criterion_group! {

@@ -118,6 +118,7 @@ thread_local! {
 }
 
 impl RadixIndex {
+    /// An empty tree accepting chains up to `max_depth` and `max_workers` workers.
     pub fn new(max_depth: u32, max_workers: u32) -> Self {
         let tree = Tree { nodes: vec![Node { live: true, ..Node::default() }], ..Default::default() };
         RadixIndex {

@@ -1,10 +1,10 @@
 //! The cases the design calls out, run against every backend.
 
-use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex::index::radix::RadixIndex;
-use kvindex::index::reference::ReferenceIndex;
-use kvindex::index::{KvIndex, MatchOptions};
+use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::{KvIndex, MatchOptions};
 
 fn chain(hashes: impl IntoIterator<Item = u64>, locals: impl IntoIterator<Item = u64>) -> Vec<StoredBlock> {
     hashes.into_iter().zip(locals).map(|(h, l)| StoredBlock::new(h, l)).collect()

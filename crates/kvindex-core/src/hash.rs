@@ -88,12 +88,15 @@ pub fn extend_chain(locals: &[LocalHash], out: &mut Vec<PrefixHash>, upto: usize
 /// A worker: an engine instance and its data-parallel rank.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct WorkerId {
+    /// The engine instance, as in its events subject.
     pub worker_id: u64,
+    /// Its data-parallel rank: each rank has a cache of its own.
     #[serde(default)]
     pub dp_rank: u32,
 }
 
 impl WorkerId {
+    /// The worker `worker_id`, rank `dp_rank`.
     pub fn new(worker_id: u64, dp_rank: u32) -> Self {
         WorkerId { worker_id, dp_rank }
     }
@@ -108,11 +111,14 @@ impl std::fmt::Display for WorkerId {
 /// One block of a `stored` event: the engine's hash and the local hash of its tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct StoredBlock {
+    /// The engine's hash: the key later `removed` events name the block by.
     pub block_hash: BlockHash,
+    /// The local hash of its tokens: what lookups match on.
     pub tokens_hash: LocalHash,
 }
 
 impl StoredBlock {
+    /// A block from raw engine and token hashes.
     pub fn new(block_hash: u64, tokens_hash: u64) -> Self {
         StoredBlock { block_hash: BlockHash(block_hash), tokens_hash: LocalHash(tokens_hash) }
     }

@@ -1,16 +1,18 @@
-//! The `kvindex` command line: a thin layer over the library.
+//! The `kvindex` command line: a thin layer over the library and the tooling in `tools/`.
+
+mod tools;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use kvindex::bench::{self, BenchConfig, Mode, Workload};
 use kvindex::config::{Config, Overrides};
-use kvindex::index::Backend;
-use kvindex::stream;
-use kvindex::trace::{self, MockConfig, MockEngine};
+use kvindex_core::index::Backend;
 use std::path::PathBuf;
+use tools::bench::{self, BenchConfig, Mode, Workload};
+use tools::stream;
+use tools::trace::{self, MockConfig, MockEngine};
 
 #[global_allocator]
-static ALLOC: kvindex::alloc::CountingAlloc = kvindex::alloc::CountingAlloc;
+static ALLOC: tools::alloc::CountingAlloc = tools::alloc::CountingAlloc;
 
 #[derive(Parser)]
 #[command(name = "kvindex", version, about = "Global KV-cache block index for KV-aware LLM routing")]
@@ -78,7 +80,7 @@ struct BenchArgs {
     #[command(flatten)]
     source: Source,
     /// Backends to compare, side by side.
-    #[arg(long, value_delimiter = ',', default_value = "positional,radix")]
+    #[arg(long, value_delimiter = ',', default_value = "positional,radix", value_parser = parse_backend)]
     backends: Vec<Backend>,
     /// What to measure.
     #[arg(long, value_delimiter = ',', default_value = "sequential,end-state,events,lookups,concurrent")]
@@ -90,7 +92,7 @@ struct BenchArgs {
     #[arg(long, default_value_t = 1)]
     lookup_threads: usize,
     /// Jump of the positional index's search.
-    #[arg(long, default_value_t = kvindex::index::positional::PositionalConfig::default().jump)]
+    #[arg(long, default_value_t = kvindex_core::PositionalConfig::default().jump)]
     jump: usize,
     /// Instead of the modes: compress the trace's timeline by each factor, report achieved vs offered.
     #[arg(long)]
@@ -134,8 +136,8 @@ struct ServeArgs {
     /// Seconds of silence after which a worker is dropped, 0 for never [KVINDEX_WORKER_TTL].
     #[arg(long)]
     worker_ttl: Option<u64>,
-    /// Index backend [KVINDEX_BACKEND].
-    #[arg(long)]
+    /// Index backend: positional or radix [KVINDEX_BACKEND].
+    #[arg(long, value_parser = parse_backend)]
     backend: Option<Backend>,
     /// Log as JSON lines instead of text.
     #[arg(long)]
@@ -205,19 +207,19 @@ fn e2e_cmd(a: E2eArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     let mut rows = Vec::new();
     for rate in a.rates {
-        let cfg = kvindex::e2e::E2eConfig {
+        let cfg = tools::e2e::E2eConfig {
             nats_url: a.nats_url.clone(),
             rate,
             lookup_rate: a.lookup_rate,
             apply_threads: a.apply_threads,
             progress: !a.json,
         };
-        rows.push(rt.block_on(kvindex::e2e::run(&wl, &cfg))?);
+        rows.push(rt.block_on(tools::e2e::run(&wl, &cfg))?);
     }
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
-        print!("{}", kvindex::e2e::table(&rows));
+        print!("{}", tools::e2e::table(&rows));
     }
     Ok(())
 }
@@ -259,7 +261,7 @@ async fn shutdown_signal() {
 }
 
 fn bench_cmd(a: BenchArgs) -> Result<()> {
-    kvindex::alloc::enable();
+    tools::alloc::enable();
     if let Some(passes) = a.churn {
         if a.source.stream.is_some() {
             bail!("--churn replays a trace through the mock engine; it does not take --stream");
@@ -313,13 +315,25 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 }
 
 fn gen_cmd(a: GenArgs) -> Result<()> {
-    let trace = trace::read_trace_file(&a.source.trace)?;
-    let ops = MockEngine::run(a.source.mock(), &trace);
-    let ops = ops.iter().map(|o| &o.op);
+    let mut trace = trace::read_trace_file(&a.source.trace)?;
+    trace.truncate(a.source.requests.unwrap_or(usize::MAX));
+    let mut engine = MockEngine::new(a.source.mock());
+    let mut ops = Vec::new();
+    for r in &trace {
+        engine.request(r, &mut ops);
+    }
+    let lines = ops.iter().map(|o| &o.op);
     if a.out == "-" {
-        stream::write_stream(std::io::BufWriter::new(std::io::stdout().lock()), ops)
+        stream::write_stream(std::io::BufWriter::new(std::io::stdout().lock()), lines)?;
     } else {
         let f = std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out))?;
-        stream::write_stream(std::io::BufWriter::new(f), ops)
+        stream::write_stream(std::io::BufWriter::new(f), lines)?;
     }
+    eprintln!("{} ops from {} requests; {} blocks cached at the end", ops.len(), trace.len(), engine.cached_blocks());
+    Ok(())
+}
+
+/// A backend name as the CLI spells it (core's names; the index crate has no CLI derive).
+fn parse_backend(s: &str) -> Result<Backend, String> {
+    s.parse()
 }

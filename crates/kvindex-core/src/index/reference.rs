@@ -22,6 +22,7 @@ pub struct ReferenceIndex {
 pub struct ReferenceWriter(WorkerId);
 
 impl ReferenceIndex {
+    /// An empty model with the same limits as the backends it checks.
     pub fn new(max_depth: u32, max_workers: u32) -> Self {
         ReferenceIndex { registry: WorkerRegistry::new(max_workers), max_depth, workers: Mutex::new(HashMap::new()) }
     }

@@ -3,11 +3,11 @@
 //! in the middle of chains, engine hashes reused for other blocks, duplicates, unknown
 //! parents and removes, clears, and workers removed and coming back (restarts).
 
-use kvindex::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex::index::radix::RadixIndex;
-use kvindex::index::reference::ReferenceIndex;
-use kvindex::index::{ApplyOutcome, KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::{ApplyOutcome, KvIndex, MatchOptions, WorkerMatch};
 use proptest::prelude::*;
 use std::collections::HashMap;
 

@@ -2,6 +2,7 @@
 //! any two indexers can be fed exactly the same work.
 
 use anyhow::{Context, Result};
+use kvindex_core::{Event, LocalHash, WorkerId};
 use serde::{Deserialize, Serialize};
 use std::io::{BufRead, Write};
 
@@ -17,6 +18,30 @@ pub enum StreamOp {
     Removed { worker: u64, event_id: u64, seq: Vec<u64> },
     /// The worker dropped everything.
     Cleared { worker: u64, event_id: u64 },
+}
+
+/// A stream op converted to the domain types, once, before any timing starts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// A router's lookup of these local hashes.
+    Lookup(Vec<LocalHash>),
+    /// A worker's KV event.
+    Event(WorkerId, Event),
+}
+
+impl From<StreamOp> for Op {
+    fn from(op: StreamOp) -> Op {
+        let w = |worker| WorkerId::new(worker, 0);
+        match op {
+            StreamOp::Lookup { local } => Op::Lookup(local.into_iter().map(LocalHash).collect()),
+            StreamOp::Stored { worker, parent, blocks, .. } => {
+                let pairs: Vec<(u64, u64)> = blocks.into_iter().map(|(local, block)| (block, local)).collect();
+                Op::Event(w(worker), Event::stored(parent, &pairs))
+            }
+            StreamOp::Removed { worker, seq, .. } => Op::Event(w(worker), Event::removed(&seq)),
+            StreamOp::Cleared { worker, .. } => Op::Event(w(worker), Event::Cleared),
+        }
+    }
 }
 
 /// Reads JSON lines of `what` (blank lines skipped); a bad line is an error naming its number.

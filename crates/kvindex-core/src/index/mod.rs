@@ -60,7 +60,9 @@ pub struct MatchOptions {
 /// One worker's answer: the length of the longest contiguous prefix of the request it holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct WorkerMatch {
+    /// The worker and dp rank.
     pub worker: WorkerId,
+    /// Length of the longest contiguous prefix of the request it holds, in blocks.
     pub blocks: u32,
 }
 
@@ -78,6 +80,7 @@ pub struct IndexStats {
 /// Errors of the index itself (not of the input).
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
+    /// The worker registry is full.
     #[error(transparent)]
     Registry(#[from] RegistryError),
 }
@@ -153,20 +156,38 @@ pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)]) 
 }
 
 /// Which backend to build; chosen by config or on the command line.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
+    /// [`positional::PositionalIndex`]: per-position tables, jump search (the default).
     Positional,
+    /// [`radix::RadixIndex`]: a radix tree, for short or highly divergent sequences.
     Radix,
+    /// [`reference::ReferenceIndex`]: the simple model the tests compare against.
     Reference,
 }
 
 impl Backend {
+    /// Every backend, in the order the CLI lists them.
+    pub const ALL: [Backend; 3] = [Backend::Positional, Backend::Radix, Backend::Reference];
+
+    /// The backend's config and CLI name.
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Positional => "positional",
             Backend::Radix => "radix",
             Backend::Reference => "reference",
         }
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Backend::ALL.into_iter().find(|b| b.as_str() == s).ok_or_else(|| {
+            let names: Vec<_> = Backend::ALL.iter().map(|b| b.as_str()).collect();
+            format!("unknown backend {s:?}; one of {}", names.join(", "))
+        })
     }
 }

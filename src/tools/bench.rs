@@ -1,29 +1,23 @@
 //! `kvindex bench`: replays a trace (through the mock engine) or a stream file against the
 //! chosen backends, side by side, and reports block ops/s, lookup latency and memory.
 
-use crate::alloc;
-use crate::apply::{ApplyPool, WorkerEvent};
-use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use crate::index::positional::{PositionalConfig, PositionalIndex};
-use crate::index::radix::RadixIndex;
-use crate::index::reference::ReferenceIndex;
-use crate::index::{Backend, KvIndex, MatchOptions};
-use crate::stream::StreamOp;
-use crate::trace::{MockConfig, MockEngine, TimedOp, TraceRequest};
+use crate::tools::alloc;
+use crate::tools::stream::{Op, StreamOp};
+use crate::tools::trace::{MockConfig, MockEngine, TimedOp, TraceRequest};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
+use kvindex::apply::ApplyPool;
+use kvindex_core::hash::{LocalHash, WorkerId};
+use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
+use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::{Backend, KvIndex, MatchOptions};
+use kvindex_core::Event;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// One operation, decoded once before any timing starts.
-#[derive(Clone, Debug)]
-pub enum Op {
-    Lookup(Vec<LocalHash>),
-    Event(WorkerId, WorkerEvent),
-}
 
 /// A replayable workload.
 pub struct Workload {
@@ -40,26 +34,17 @@ impl Workload {
     /// From a stream, with arrival times when known.
     pub fn new(ops: Vec<StreamOp>, ts_ms: Option<Vec<u64>>) -> Self {
         let (mut lookup_blocks, mut stored_blocks, mut removed_blocks, mut lookups) = (0, 0, 0, 0);
-        let ops = ops
-            .into_iter()
-            .map(|op| match op {
-                StreamOp::Lookup { local } => {
+        let ops: Vec<Op> = ops.into_iter().map(Op::from).collect();
+        for op in &ops {
+            match op {
+                Op::Lookup(q) => {
                     lookups += 1;
-                    lookup_blocks += local.len() as u64;
-                    Op::Lookup(local.into_iter().map(LocalHash).collect())
+                    lookup_blocks += q.len() as u64;
                 }
-                StreamOp::Stored { worker, parent, blocks, .. } => {
-                    stored_blocks += blocks.len() as u64;
-                    let blocks = blocks.into_iter().map(|(l, b)| StoredBlock::new(b, l)).collect();
-                    Op::Event(WorkerId::new(worker, 0), WorkerEvent::Stored { parent: parent.map(BlockHash), blocks })
-                }
-                StreamOp::Removed { worker, seq, .. } => {
-                    removed_blocks += seq.len() as u64;
-                    Op::Event(WorkerId::new(worker, 0), WorkerEvent::Removed { hashes: seq.into_iter().map(BlockHash).collect() })
-                }
-                StreamOp::Cleared { worker, .. } => Op::Event(WorkerId::new(worker, 0), WorkerEvent::Cleared),
-            })
-            .collect();
+                Op::Event(_, e @ Event::Stored { .. }) => stored_blocks += e.blocks() as u64,
+                Op::Event(_, e) => removed_blocks += e.blocks() as u64,
+            }
+        }
         Workload { ops, ts_ms, lookup_blocks, stored_blocks, removed_blocks, lookups }
     }
 
@@ -172,7 +157,7 @@ pub trait FnOnceIndex<R> {
 }
 
 /// Applies one event through a writer map owned by the caller.
-fn apply_event<I: KvIndex>(index: &I, writers: &mut FxHashMap<WorkerId, I::Writer>, worker: WorkerId, ev: &WorkerEvent) {
+fn apply_event<I: KvIndex>(index: &I, writers: &mut FxHashMap<WorkerId, I::Writer>, worker: WorkerId, ev: &Event) {
     let w = match writers.entry(worker) {
         std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
         std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {

@@ -28,6 +28,7 @@ struct RegistryInner {
 /// Why a worker could not be given a slot.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistryError {
+    /// Every slot is taken; the payload is the capacity.
     #[error("worker registry is full ({0} slots)")]
     Full(u32),
 }
@@ -136,21 +137,27 @@ pub struct WorkerSet(u64);
 /// What inserting into a [`WorkerSet`] did.
 #[derive(Debug, PartialEq, Eq)]
 pub enum SetInsert {
+    /// The slot was not in the set and now is.
     Added,
+    /// The slot was already in the set.
     AlreadyPresent,
     /// The set must spill: the owner moves `self.members()` plus the slot into a [`SlotBits`].
     NeedsSpill,
 }
 
 impl WorkerSet {
+    /// No worker.
     pub const EMPTY: WorkerSet = WorkerSet(0);
+    /// The marker of a set whose members live in the owner's [`SlotBits`].
     pub const SPILLED: WorkerSet = WorkerSet(SPILLED_WINDOW << WINDOW_BITS);
 
+    /// No member.
     #[inline]
     pub fn is_empty(self) -> bool {
         self.0 == 0
     }
 
+    /// Its members live in the owner's [`SlotBits`].
     #[inline]
     pub fn is_spilled(self) -> bool {
         self.0 >> WINDOW_BITS == SPILLED_WINDOW
@@ -322,6 +329,7 @@ pub struct SlotBits {
 }
 
 impl SlotBits {
+    /// An empty set with room for `slots` slots.
     pub fn with_width(slots: u32) -> Self {
         SlotBits { words: vec![0; slots.div_ceil(64) as usize] }
     }
@@ -337,10 +345,12 @@ impl SlotBits {
         }
     }
 
+    /// Removes every slot, keeping the allocation.
     pub fn clear(&mut self) {
         self.words.iter_mut().for_each(|w| *w = 0);
     }
 
+    /// Adds `slot`, growing as needed.
     pub fn insert(&mut self, slot: Slot) {
         let w = (slot / 64) as usize;
         if self.words.len() <= w {
@@ -349,6 +359,7 @@ impl SlotBits {
         self.words[w] |= 1 << (slot % 64);
     }
 
+    /// Removes `slot`; whether it was there.
     pub fn remove(&mut self, slot: Slot) -> bool {
         let w = (slot / 64) as usize;
         match self.words.get_mut(w) {
@@ -360,14 +371,17 @@ impl SlotBits {
         }
     }
 
+    /// Whether `slot` is a member.
     pub fn contains(&self, slot: Slot) -> bool {
         self.words.get((slot / 64) as usize).is_some_and(|w| w & (1 << (slot % 64)) != 0)
     }
 
+    /// No member.
     pub fn is_empty(&self) -> bool {
         self.words.iter().all(|&w| w == 0)
     }
 
+    /// Number of members.
     pub fn len(&self) -> usize {
         self.words.iter().map(|w| w.count_ones() as usize).sum()
     }
@@ -392,6 +406,7 @@ impl SlotBits {
         self.words.extend_from_slice(&other.words);
     }
 
+    /// The members, ascending.
     pub fn iter(&self) -> impl Iterator<Item = Slot> + '_ {
         self.words.iter().enumerate().flat_map(|(i, &w)| {
             let mut m = w;

@@ -244,7 +244,14 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+impl Default for PositionalIndex {
+    fn default() -> Self {
+        PositionalIndex::new(PositionalConfig::default())
+    }
+}
+
 impl PositionalIndex {
+    /// An empty index; position chunks are allocated on first use.
     pub fn new(cfg: PositionalConfig) -> Self {
         let nchunks = (cfg.max_depth as usize).div_ceil(CHUNK);
         PositionalIndex {

@@ -7,9 +7,9 @@
 //! resync that kvindex asks for (or broadcasts after its own reconnect).
 //!
 //! ```no_run
-//! # async fn demo() -> anyhow::Result<()> {
-//! use kvindex::hash::{BlockHash, StoredBlock};
-//! use kvindex::publisher::{Publisher, PublisherConfig};
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use kvindex_client::core::{BlockHash, StoredBlock};
+//! use kvindex_client::{Publisher, PublisherConfig};
 //!
 //! let client = async_nats::connect("nats://127.0.0.1:4222").await?;
 //! let publisher = Publisher::start(client, PublisherConfig::new("kv", 7, 0)).await?;
@@ -20,14 +20,13 @@
 //! # Ok(()) }
 //! ```
 
-use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use crate::protocol::{
-    write_batch_header, write_cleared, write_removed, write_stored, BatchHeader, ResyncAck, ResyncRequest, Tier,
-};
-use anyhow::Context;
+use crate::error::ClientError;
+use crate::protocol::{write_batch_header, write_cleared, write_removed, write_stored, BatchHeader, ResyncAck, ResyncRequest};
 use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
+use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex_core::Tier;
 use parking_lot::Mutex;
 use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -51,7 +50,9 @@ const HEADER_BYTES: usize = 128;
 pub struct PublisherConfig {
     /// Subject prefix, as kvindex's `prefix`.
     pub prefix: String,
+    /// The engine instance: the publisher writes `{prefix}.events.{worker_id}`.
     pub worker_id: u64,
+    /// Its data-parallel rank (one publisher per rank).
     pub dp_rank: u32,
     /// This process's epoch. The default, the start time in nanoseconds, changes at every
     /// restart, which tells kvindex to drop what the worker held before.
@@ -88,9 +89,13 @@ impl PublisherConfig {
 /// What a publisher has done, for its host's metrics.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PublisherStats {
+    /// Events sent.
     pub events: u64,
+    /// Batches sent (event batches and heartbeats).
     pub batches: u64,
+    /// Empty batches sent to show the worker is alive.
     pub heartbeats: u64,
+    /// Snapshots sent in answer to resync requests.
     pub snapshots: u64,
     /// Batches dropped because NATS could not take them in time.
     pub dropped_batches: u64,
@@ -152,13 +157,15 @@ pub struct Publisher {
 
 impl Publisher {
     /// Subscribes to the resync subjects and starts sending.
-    pub async fn start(client: Client, cfg: PublisherConfig) -> anyhow::Result<Publisher> {
+    pub async fn start(client: Client, cfg: PublisherConfig) -> Result<Publisher, ClientError> {
+        let nats = |what: &str, e: &dyn std::fmt::Display| ClientError::Nats(format!("{what}: {e}"));
         let worker_resync = client
             .subscribe(format!("{}.resync.{}", cfg.prefix, cfg.worker_id))
             .await
-            .context("subscribing to per-worker resync requests")?;
-        let all_resync = client.subscribe(format!("{}.resync", cfg.prefix)).await.context("subscribing to resync broadcasts")?;
-        client.flush().await.context("flushing subscriptions")?;
+            .map_err(|e| nats("subscribing to per-worker resync requests", &e))?;
+        let all_resync =
+            client.subscribe(format!("{}.resync", cfg.prefix)).await.map_err(|e| nats("subscribing to resync broadcasts", &e))?;
+        client.flush().await.map_err(|e| nats("flushing subscriptions", &e))?;
         let server_max = client.server_info().max_payload;
         let server_max = if server_max == 0 { 1 << 20 } else { server_max };
         let max_message = cfg.max_batch_bytes.min(server_max).max(HEADER_BYTES + STORED_OVERHEAD + BLOCK_BYTES);
@@ -216,7 +223,9 @@ impl Publisher {
             inner.blocks.remove(h);
         }
         for piece in hashes.chunks(s.max_event_hashes) {
-            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_removed(out, id, piece));
+            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| {
+                write_removed(out, id, piece, Tier::Device)
+            });
         }
     }
 
@@ -258,6 +267,7 @@ impl Publisher {
         WorkerId::new(self.shared.cfg.worker_id, self.shared.cfg.dp_rank)
     }
 
+    /// The epoch this publisher's events carry (its start time in ns).
     pub fn epoch(&self) -> u64 {
         self.shared.cfg.epoch
     }
@@ -267,10 +277,12 @@ impl Publisher {
         self.shared.inner.lock().blocks.len()
     }
 
+    /// No block is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
+    /// Counters since start.
     pub fn stats(&self) -> PublisherStats {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);

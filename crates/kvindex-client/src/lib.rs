@@ -1,0 +1,28 @@
+//! kvindex-client: what engines and routers link to talk to kvindex over NATS, and nothing
+//! heavier (no HTTP server, metrics registry, config layering or CLI).
+//!
+//! # Layout
+//!
+//! - [`protocol`]: wire protocol v1 (msgpack): event batches (one-pass, allocation-light
+//!   decoder and the writers), lookup requests and answers, resync requests and acks.
+//! - [`publisher`]: the engine side: keeps the worker's block set, numbers and batches
+//!   events, sends heartbeats, answers kvindex's resync requests with snapshots.
+//! - [`lookup`]: the router side: [`LookupClient`] asks kvindex which workers hold the
+//!   longest prefix of a request, by tokens or by local hashes.
+//! - [`error`]: [`ClientError`], what can go wrong talking to NATS and kvindex.
+//!
+//! Block identity (token hashing, the event type) comes from [`kvindex_core`], re-exported
+//! here as [`core`] so that an engine or router needs one dependency.
+
+#![deny(missing_docs)]
+
+pub mod error;
+pub mod lookup;
+pub mod protocol;
+pub mod publisher;
+
+pub use error::ClientError;
+pub use kvindex_core as core;
+pub use lookup::{LookupClient, Query};
+pub use protocol::MatchEntry;
+pub use publisher::{Publisher, PublisherConfig};

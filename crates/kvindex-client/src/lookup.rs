@@ -1,0 +1,119 @@
+//! The router side: ask kvindex which workers hold the longest prefix of a request.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), kvindex_client::ClientError> {
+//! use kvindex_client::{LookupClient, Query};
+//! use std::time::Duration;
+//!
+//! let nats = async_nats::connect("nats://127.0.0.1:4222").await.map_err(|e| kvindex_client::ClientError::Nats(e.to_string()))?;
+//! let lookups = LookupClient::new(nats, "kv").with_timeout(Duration::from_millis(50));
+//! let tokens: Vec<u32> = (0..1024).collect();
+//! for m in lookups.lookup(&Query::tokens(&tokens, 16)).await? {
+//!     println!("worker {} rank {}: {} blocks{}", m.worker_id, m.dp_rank, m.blocks, if m.stale { " (stale)" } else { "" });
+//! }
+//! # Ok(()) }
+//! ```
+
+use crate::error::ClientError;
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry};
+use async_nats::{Client, RequestErrorKind, Subject};
+use kvindex_core::LocalHash;
+use std::time::Duration;
+
+/// What to look up: a request's tokens (kvindex hashes them) or its local hashes.
+#[derive(Clone, Debug, Default)]
+pub struct Query {
+    /// The wire request; built by the constructors, refined by the `with_*` methods.
+    pub request: LookupRequest,
+}
+
+impl Query {
+    /// A request's token ids, cut into blocks of `block_size` (a partial last block is not
+    /// matched), hashed by kvindex with the same function the publishers use.
+    pub fn tokens(tokens: &[u32], block_size: u32) -> Query {
+        Query { request: LookupRequest { tokens: Some(tokens.to_vec()), block_size: Some(block_size), ..Default::default() } }
+    }
+
+    /// Local hashes computed by the router ([`kvindex_core::local_hashes`]): smaller on the
+    /// wire than tokens.
+    pub fn hashes(hashes: &[LocalHash]) -> Query {
+        Query { request: LookupRequest { block_hashes: Some(hashes.iter().map(|h| h.0).collect()), ..Default::default() } }
+    }
+
+    /// Tokens of a LoRA adapter's request: they match only blocks cached for that adapter.
+    pub fn with_lora(mut self, lora_name: &str) -> Query {
+        self.request.lora_name = Some(lora_name.to_string());
+        self
+    }
+
+    /// Tokens under a cache salt (a tenant's isolation key).
+    pub fn with_salt(mut self, salt: &str) -> Query {
+        self.request.salt = Some(salt.to_string());
+        self
+    }
+
+    /// Only these worker ids (any dp rank) are considered.
+    pub fn only_workers(mut self, workers: &[u64]) -> Query {
+        self.request.workers = Some(workers.to_vec());
+        self
+    }
+
+    /// Only the first `n` blocks are matched.
+    pub fn max_blocks(mut self, n: u64) -> Query {
+        self.request.max_blocks = Some(n);
+        self
+    }
+}
+
+/// Asks kvindex over NATS request-reply on `{prefix}.lookup`. Cheap to clone; share one.
+#[derive(Clone, Debug)]
+pub struct LookupClient {
+    /// The NATS connection; lookups share it with whatever else the router does.
+    client: Client,
+    /// `{prefix}.lookup`, built once.
+    subject: Subject,
+    /// How long one lookup may take before [`ClientError::Timeout`].
+    timeout: Duration,
+}
+
+impl LookupClient {
+    /// A client for the kvindex serving `prefix` (one prefix per model or deployment), with a
+    /// 100 ms timeout: a router should fall back to load-only routing rather than wait.
+    pub fn new(client: Client, prefix: &str) -> LookupClient {
+        LookupClient { client, subject: format!("{prefix}.lookup").into(), timeout: Duration::from_millis(100) }
+    }
+
+    /// Sets the per-lookup timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> LookupClient {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The workers holding at least the request's first block, deepest match first, each with
+    /// its depth in blocks and whether its state is being resynchronised (`stale`: its depth
+    /// may be out of date).
+    pub async fn lookup(&self, query: &Query) -> Result<Vec<MatchEntry>, ClientError> {
+        let payload = rmp_serde::to_vec_named(&query.request).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+        let asked = self.client.request(self.subject.clone(), payload.into());
+        let reply = match tokio::time::timeout(self.timeout, asked).await {
+            Err(_) => return Err(self.timed_out()),
+            Ok(Err(e)) => {
+                return Err(match e.kind() {
+                    RequestErrorKind::NoResponders => ClientError::NoKvindex { subject: self.subject.to_string() },
+                    RequestErrorKind::TimedOut => self.timed_out(),
+                    RequestErrorKind::Other => ClientError::Nats(e.to_string()),
+                })
+            }
+            Ok(Ok(m)) => m,
+        };
+        match rmp_serde::from_slice::<LookupResponse>(&reply.payload) {
+            Ok(LookupResponse::Matches { matches }) => Ok(matches),
+            Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
+            Err(e) => Err(ClientError::BadAnswer(e.to_string())),
+        }
+    }
+
+    fn timed_out(&self) -> ClientError {
+        ClientError::Timeout { subject: self.subject.to_string(), timeout_ms: self.timeout.as_millis() as u64 }
+    }
+}

@@ -1,0 +1,57 @@
+//! kvindex-core: an exact, concurrent index of the KV-cache blocks cached on LLM inference
+//! workers, answering "which workers hold the longest prefix of this request?".
+//!
+//! No async runtime, no network, no metrics: embed it in a router or gateway process, feed it
+//! the engines' KV events, ask it for matches. The `kvindex` daemon is this index behind NATS.
+//!
+//! # Layout
+//!
+//! - [`hash`]: block identity: local (token) hashes, the engine's opaque block hashes,
+//!   kvindex's rolling prefix hashes, worker identities, token hashing (XXH3-64, seed 1337).
+//! - [`event`]: the one domain event type (`stored`, `removed`, `cleared`) that the wire
+//!   decoder, the replay stream and the benchmarks convert into.
+//! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
+//! - [`index`]: the [`KvIndex`] trait and its backends: [`PositionalIndex`] (the default),
+//!   [`RadixIndex`] and the [`ReferenceIndex`] model the tests compare both against.
+//!
+//! # Guarantees
+//!
+//! A worker's match depth is the length of the longest *contiguous* prefix of the request it
+//! holds, compared by whole-prefix hash: holding the same block under another parent does not
+//! count, and a removed block in the middle ends the match there.
+//!
+//! # Example
+//!
+//! A worker caches three blocks of a request; a router asks who holds its prefix.
+//!
+//! ```
+//! use kvindex_core::{local_hashes, BlockHash, KvIndex, MatchOptions, PositionalIndex, StoredBlock, WorkerId};
+//!
+//! let index = PositionalIndex::default();
+//! let tokens: Vec<u32> = (0..64).collect();
+//! let locals = local_hashes(&tokens, 16, None, None); // four full blocks
+//!
+//! // The engine reports the first three blocks, under its own block hashes.
+//! let mut writer = index.writer(WorkerId::new(7, 0)).unwrap();
+//! let blocks: Vec<StoredBlock> =
+//!     locals[..3].iter().enumerate().map(|(i, l)| StoredBlock { block_hash: BlockHash(100 + i as u64), tokens_hash: *l }).collect();
+//! index.store(&mut writer, None, &blocks);
+//!
+//! let matches = index.find_matches(&locals, &MatchOptions::default());
+//! assert_eq!(matches[0].worker, WorkerId::new(7, 0));
+//! assert_eq!(matches[0].blocks, 3);
+//! ```
+
+#![deny(missing_docs)]
+
+pub mod event;
+pub mod hash;
+pub mod index;
+pub mod workers;
+
+pub use event::{Event, Tier};
+pub use hash::{local_hashes, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
+pub use index::positional::{PositionalConfig, PositionalIndex};
+pub use index::radix::RadixIndex;
+pub use index::reference::ReferenceIndex;
+pub use index::{ApplyOutcome, Backend, IndexStats, KvIndex, MatchOptions, WorkerMatch};

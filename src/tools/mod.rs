@@ -1,0 +1,18 @@
+//! The CLI's tooling: benchmarks, the end-to-end run, the demo and their workload. Part of the
+//! binary, not of the library API.
+//!
+//! - [`trace`]: Mooncake trace reader and the mock engine (LRU prefix caches) that turns a
+//!   trace into events.
+//! - [`stream`]: the JSONL replay stream format (`shared/STREAM.md`), converted to and from
+//!   the domain event at this edge.
+//! - [`bench`]: `kvindex bench`, the trace-replay benchmark of the index backends.
+//! - [`harness`]: a `nats-server` child and an in-process daemon, for `e2e` and the tests.
+//! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
+//! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
+
+pub mod alloc;
+pub mod bench;
+pub mod e2e;
+pub mod harness;
+pub mod stream;
+pub mod trace;

@@ -1,0 +1,72 @@
+//! `LookupClient` (kvindex-client) against a real `nats-server` and `kvindex serve`: ranked
+//! answers by tokens (with a LoRA adapter) and by hashes, filters, and each error a router
+//! must tell apart: no kvindex, a refused request, no answer in time.
+
+mod support;
+
+use kvindex_client::core::{local_hashes, BlockHash, StoredBlock};
+use kvindex_client::{ClientError, LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
+use std::time::Duration;
+use support::{eventually, Daemon, NatsServer};
+
+const BLOCK: u32 = 16;
+
+/// A publisher for `worker`/`rank` that stored the first `n` blocks of `tokens` for `lora`.
+async fn engine(client: &async_nats::Client, worker: u64, rank: u32, tokens: &[u32], n: usize, lora: Option<&str>) -> Publisher {
+    let p = Publisher::start(client.clone(), PublisherConfig::new("t", worker, rank)).await.unwrap();
+    let blocks: Vec<StoredBlock> = local_hashes(tokens, BLOCK as usize, lora, None)
+        .into_iter()
+        .take(n)
+        .enumerate()
+        .map(|(i, l)| StoredBlock { block_hash: BlockHash(worker * 1000 + i as u64), tokens_hash: l })
+        .collect();
+    p.stored(None, &blocks);
+    p.flush().await;
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranked_answers_by_tokens_and_hashes() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let tokens: Vec<u32> = (0..8 * BLOCK).collect();
+    let _a = engine(&client, 1, 0, &tokens, 3, None).await;
+    let _b = engine(&client, 2, 1, &tokens, 6, None).await;
+    let _lora = engine(&client, 3, 0, &tokens, 8, Some("sql-adapter")).await;
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(5));
+    let m = |worker_id, dp_rank, blocks| MatchEntry { worker_id, dp_rank, blocks, stale: false };
+
+    let base = Query::tokens(&tokens, BLOCK);
+    let got = eventually(10, || async { lookups.lookup(&base).await.ok().filter(|v| v.len() == 2) }).await;
+    assert_eq!(got, Some(vec![m(2, 1, 6), m(1, 0, 3)]), "deepest first; the LoRA worker is not a match");
+
+    let lora = lookups.lookup(&Query::tokens(&tokens, BLOCK).with_lora("sql-adapter")).await.unwrap();
+    assert_eq!(lora, vec![m(3, 0, 8)], "only the adapter's blocks match its requests");
+
+    let hashes = local_hashes(&tokens, BLOCK as usize, None, None);
+    assert_eq!(lookups.lookup(&Query::hashes(&hashes)).await.unwrap(), vec![m(2, 1, 6), m(1, 0, 3)]);
+    assert_eq!(lookups.lookup(&Query::hashes(&hashes).only_workers(&[1])).await.unwrap(), vec![m(1, 0, 3)]);
+    assert_eq!(lookups.lookup(&Query::hashes(&hashes).max_blocks(2)).await.unwrap(), vec![m(1, 0, 2), m(2, 1, 2)]);
+
+    let refused = lookups.lookup(&Query::tokens(&tokens, 0)).await;
+    assert!(matches!(&refused, Err(ClientError::Rejected(why)) if why.contains("block_size")), "{refused:?}");
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_kvindex_and_no_answer_are_told_apart() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_millis(300));
+    let q = Query::hashes(&local_hashes(&[1; 32], 16, None, None));
+    let none = lookups.lookup(&q).await;
+    assert!(matches!(&none, Err(ClientError::NoKvindex { subject }) if subject == "t.lookup"), "{none:?}");
+    assert!(none.unwrap_err().to_string().contains("no kvindex answers on t.lookup"));
+
+    // Something subscribes but never answers (a kvindex stuck, or not kvindex at all).
+    let _mute = client.subscribe("t.lookup").await.unwrap();
+    client.flush().await.unwrap();
+    let slow = lookups.lookup(&q).await;
+    assert!(matches!(slow, Err(ClientError::Timeout { timeout_ms: 300, .. })), "{slow:?}");
+}
