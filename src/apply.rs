@@ -35,7 +35,8 @@ pub struct QueueFull {
 pub struct PoolStats {
     /// Batches applied.
     pub batches: AtomicU64,
-    /// Batches dropped because the worker registry was full (logged).
+    /// Batches refused because the worker registry was full (reported to the hook as
+    /// [`ApplyOutcome::refused`]).
     pub registry_full: AtomicU64,
 }
 
@@ -124,6 +125,12 @@ impl<I: KvIndex> ApplyPool<I> {
         out
     }
 
+    /// Apply threads that have exited (a panic in the index or the hook): their workers'
+    /// events can no longer be applied, so the daemon must stop and be restarted.
+    pub fn dead_threads(&self) -> usize {
+        self.handles.iter().filter(|h| h.is_finished()).count()
+    }
+
     /// The pool's counters.
     pub fn stats(&self) -> &PoolStats {
         &self.stats
@@ -153,9 +160,15 @@ fn apply_loop<I: KvIndex>(
                     std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
                     std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
                         Ok(w) => v.insert(w),
-                        Err(e) => {
+                        Err(_) => {
+                            // Reported, not logged here: the hook counts it and logs at a
+                            // bounded rate (a flood of new workers must not flood the log).
                             stats.registry_full.fetch_add(1, Ordering::Relaxed);
-                            tracing::error!(%worker, error = %e, "batch dropped: cannot track another worker");
+                            let out = ApplyOutcome { refused: events.len() as u64, ..ApplyOutcome::default() };
+                            total.lock().add(&out);
+                            if let Some(h) = &hook {
+                                h(worker, &out, tag);
+                            }
                             continue;
                         }
                     },

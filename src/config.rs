@@ -56,6 +56,9 @@ pub struct Config {
     pub nats_tls_key: Option<String>,
     /// Require TLS.
     pub nats_require_tls: bool,
+    /// Seconds a shutdown may take to apply queued events and answer lookups in flight; past
+    /// it the process exits anyway (a pod must not hang terminating while NATS is away).
+    pub shutdown_grace: u64,
 }
 
 impl Default for Config {
@@ -84,6 +87,7 @@ impl Default for Config {
             nats_tls_cert: None,
             nats_tls_key: None,
             nats_require_tls: false,
+            shutdown_grace: 10,
         }
     }
 }
@@ -124,9 +128,29 @@ impl Config {
         Ok(cfg)
     }
 
-    /// The `KVINDEX_*` environment layer.
+    /// The `KVINDEX_*` environment layer, restricted to the keys [`Config`] has. Other
+    /// `KVINDEX_*` variables are ignored, not errors: Kubernetes injects `KVINDEX_PORT` and
+    /// friends for a Service named `kvindex`. [`Config::ignored_env`] lists them for a log line.
     pub fn env() -> Env {
-        Env::prefixed("KVINDEX_")
+        let known = Self::keys();
+        Env::prefixed("KVINDEX_").filter(move |k| known.iter().any(|n| k.as_str().eq_ignore_ascii_case(n)))
+    }
+
+    /// The `KVINDEX_*` variables set in this process that name no configuration key.
+    pub fn ignored_env() -> Vec<String> {
+        let known = Self::keys();
+        std::env::vars_os()
+            .filter_map(|(k, _)| k.into_string().ok())
+            .filter(|k| k.strip_prefix("KVINDEX_").is_some_and(|key| !known.iter().any(|n| key.eq_ignore_ascii_case(n))))
+            .collect()
+    }
+
+    /// Every key of the file and environment layers.
+    fn keys() -> Vec<String> {
+        match serde_json::to_value(Config::default()) {
+            Ok(serde_json::Value::Object(map)) => map.keys().cloned().collect(),
+            _ => Vec::new(),
+        }
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -197,6 +221,25 @@ mod tests {
             assert!(err.contains("metrics_addr"), "{err}");
             let err = Config::load(Some(Path::new("missing.toml")), Config::env(), &Overrides::default()).unwrap_err();
             assert!(err.contains("does not exist"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn unknown_environment_is_ignored_but_file_keys_stay_strict() {
+        Jail::expect_with(|jail| {
+            // What Kubernetes injects for a Service named `kvindex`.
+            jail.set_env("KVINDEX_PORT", "tcp://10.0.0.1:9464");
+            jail.set_env("KVINDEX_SERVICE_HOST", "10.0.0.1");
+            jail.set_env("KVINDEX_WORKER_TTL", "9");
+            let cfg = Config::load(None, Config::env(), &Overrides::default()).map_err(figment::Error::from)?;
+            assert_eq!(cfg.worker_ttl, 9, "known variables still apply");
+            let mut ignored = Config::ignored_env();
+            ignored.sort();
+            assert_eq!(ignored, ["KVINDEX_PORT", "KVINDEX_SERVICE_HOST"]);
+            jail.create_file("typo.toml", "port = 9464\n")?;
+            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            assert!(err.contains("port"), "{err}");
             Ok(())
         });
     }

@@ -17,6 +17,8 @@ pub struct Metrics {
     pub event_gaps: IntCounter,
     pub unplaceable_blocks: IntCounter,
     pub unknown_removes: IntCounter,
+    pub refused_events: IntCounterVec,
+    pub dead_apply_threads: IntGauge,
     pub non_device_blocks: IntCounterVec,
     pub resync_requests: IntCounterVec,
     pub resync_unanswered: IntCounter,
@@ -138,6 +140,17 @@ impl Metrics {
                 "Stored blocks whose parent the worker does not hold.",
             ),
             unknown_removes: counter(&r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
+            refused_events: counter_vec(
+                &r,
+                "kvindex_refused_events_total",
+                "Events not applied because a limit was reached, by reason (registry_full: no free worker slot).",
+                &["reason"],
+            ),
+            dead_apply_threads: gauge(
+                &r,
+                "kvindex_dead_apply_threads",
+                "Apply threads that have exited: /healthz fails and the daemon exits non-zero.",
+            ),
             non_device_blocks: counter_vec(
                 &r,
                 "kvindex_non_device_blocks_total",

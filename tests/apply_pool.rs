@@ -156,3 +156,37 @@ fn remove_worker_applies_after_queued_events_and_frees_the_slot() {
     assert_eq!(index.stats().placements, 2);
     pool.shutdown();
 }
+
+#[test]
+fn a_full_registry_refuses_and_reports_instead_of_dropping_silently() {
+    let index = Arc::new(PositionalIndex::new(PositionalConfig { max_workers: 1, ..PositionalConfig::default() }));
+    let refused = Arc::new(Mutex::new(Vec::new()));
+    let seen = refused.clone();
+    let hook: OnApplied = Arc::new(move |w, out, _| {
+        if out.refused > 0 {
+            seen.lock().unwrap().push((w, out.refused));
+        }
+    });
+    let pool = ApplyPool::new(index.clone(), 1, 16, Some(hook));
+    let two = vec![Event::stored(None, &[(5, 50)]), Event::stored(Some(5), &[(6, 60)])];
+    pool.apply(WorkerId::new(1, 0), two.clone(), 0);
+    pool.apply(WorkerId::new(2, 0), two, 0);
+    pool.flush();
+    assert_eq!(*refused.lock().unwrap(), vec![(WorkerId::new(2, 0), 2)]);
+    assert_eq!(pool.totals().refused, 2);
+    assert_eq!(index.stats().workers, 1);
+}
+
+#[test]
+fn a_dead_apply_thread_is_reported() {
+    let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
+    let hook: OnApplied = Arc::new(|_, _, tag| assert_ne!(tag, 666, "the hook panics, as a bug in the index would"));
+    let pool = ApplyPool::new(index, 2, 16, Some(hook));
+    assert_eq!(pool.dead_threads(), 0);
+    pool.apply(WorkerId::new(1, 0), vec![Event::stored(None, &[(5, 50)])], 666);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while pool.dead_threads() == 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    assert_eq!(pool.dead_threads(), 1);
+}

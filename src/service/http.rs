@@ -27,6 +27,7 @@ pub(super) async fn http_server<I: KvIndex>(
     use axum::http::StatusCode;
     use axum::routing::get;
     let metrics_state = state.clone();
+    let health_pool = pool.clone();
     let app = axum::Router::new()
         .route(
             "/metrics",
@@ -37,7 +38,19 @@ pub(super) async fn http_server<I: KvIndex>(
                 }
             }),
         )
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/healthz",
+            get(move || {
+                let dead = health_pool.dead_threads();
+                async move {
+                    if dead == 0 {
+                        (StatusCode::OK, "ok\n".to_string())
+                    } else {
+                        (StatusCode::INTERNAL_SERVER_ERROR, format!("{dead} apply thread(s) died\n"))
+                    }
+                }
+            }),
+        )
         .route(
             "/readyz",
             get(move || {

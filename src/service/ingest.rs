@@ -22,8 +22,8 @@ pub(super) struct Cursor {
 /// Applies one message from `{prefix}.events.{worker_id}`.
 pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
     let m = &state.metrics;
-    let Some(subject_id) = subject.strip_prefix(state.events_prefix.as_str()).and_then(|s| s.parse::<u64>().ok()) else {
-        state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id"));
+    let Some(subject_id) = subject.strip_prefix(state.events_prefix.as_str()).and_then(canonical_id) else {
+        state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id in canonical decimal"));
         return;
     };
     let EventBatch { header: h, events } = match decode_batch(payload) {
@@ -45,6 +45,14 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
     let mut cursors = state.cursors.lock();
     let now = Instant::now();
     let c = cursors.entry(w).or_insert(Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false });
+    if h.epoch < c.epoch {
+        // A batch of the process this publisher replaced, delivered late: its events describe
+        // a cache that no longer exists.
+        let current = c.epoch;
+        drop(cursors);
+        state.fail("old_epoch", || format!("dropped a batch of worker {w} from epoch {} (now {current})", h.epoch));
+        return;
+    }
     c.last_seen = now;
     if c.epoch != h.epoch {
         // The publisher restarted: whatever it held before is gone.
@@ -156,6 +164,28 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         if let Err(full) = pool.try_apply(w, out, h.ts_ns) {
             // Backpressure: wait for the worker's apply thread rather than drop anything.
             tokio::task::block_in_place(|| pool.apply(full.worker, full.events, h.ts_ns));
+        }
+    }
+}
+
+/// The worker id of an events subject: canonical decimal only (no sign, no leading zero), so
+/// `7`, `07` and `+7` cannot be three subjects for one worker, around subject permissions.
+fn canonical_id(s: &str) -> Option<u64> {
+    let canonical = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && (s == "0" || !s.starts_with('0'));
+    canonical.then(|| s.parse().ok()).flatten()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::canonical_id;
+
+    #[test]
+    fn only_canonical_decimal_names_a_worker() {
+        assert_eq!(canonical_id("7"), Some(7));
+        assert_eq!(canonical_id("0"), Some(0));
+        assert_eq!(canonical_id("18446744073709551615"), Some(u64::MAX));
+        for alias in ["007", "+7", "-7", " 7", "7 ", "", "0x7", "18446744073709551616", "7.0"] {
+            assert_eq!(canonical_id(alias), None, "{alias:?}");
         }
     }
 }

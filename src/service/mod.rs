@@ -181,6 +181,13 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
             m.hot.blocks_stored.inc_by(out.stored);
             m.hot.blocks_removed.inc_by(out.removed);
             m.unknown_removes.inc_by(out.unknown_removes);
+            if out.refused > 0 {
+                m.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
+                let max = state.cfg.max_workers;
+                state.log.warn("registry_full", || {
+                    format!("refused the events of worker {worker}: all {max} worker slots are taken (max_workers)")
+                });
+            }
             if out.unplaceable > 0 {
                 // Its position and prefix are unknown: the worker's state is off until a resync.
                 m.unplaceable_blocks.inc_by(out.unplaceable);
@@ -219,6 +226,10 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         nats = %cfg.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, backend = index.name(),
         apply_threads = cfg.apply_threads(), "kvindex serving"
     );
+    let ignored = Config::ignored_env();
+    if !ignored.is_empty() {
+        tracing::info!(variables = ?ignored, "ignoring KVINDEX_* variables that name no configuration key");
+    }
     // A restarted daemon rebuilds its index from the publishers.
     recovery::broadcast_resync(&client, &state).await;
 
@@ -236,6 +247,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         .collect();
 
     tokio::pin!(shutdown);
+    let mut watchdog = tokio::time::interval(Duration::from_secs(1));
+    let mut failure = None;
     loop {
         tokio::select! {
             _ = &mut shutdown => break,
@@ -243,21 +256,43 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
                 Some(msg) => ingest::ingest(&state, &pool, msg.subject.as_str(), &msg.payload),
                 None => break,
             },
+            _ = watchdog.tick() => {
+                let dead = pool.dead_threads();
+                metrics.dead_apply_threads.set(dead as i64);
+                if dead > 0 {
+                    tracing::error!(dead, "an apply thread died: its workers' events can no longer be applied; exiting");
+                    failure = Some(anyhow::anyhow!("{dead} apply thread(s) died"));
+                    break;
+                }
+            }
         }
     }
 
-    tracing::info!("shutting down: applying queued events, answering lookups in flight");
-    let _ = events.unsubscribe().await;
+    tracing::info!(grace_s = cfg.shutdown_grace, "shutting down: applying queued events, answering lookups in flight");
     let _ = stop_lookups.send(true);
-    for task in lookup_tasks {
-        let _ = task.await;
+    let drain = async {
+        let _ = events.unsubscribe().await;
+        for task in lookup_tasks {
+            let _ = task.await;
+        }
+        let flushing = pool.clone();
+        let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
+        let _ = client.flush().await;
+        let _ = lookup_client.flush().await;
+    };
+    // Unsubscribing and flushing wait for NATS; applying waits for the apply threads. Neither
+    // may keep a terminating pod alive.
+    if tokio::time::timeout(Duration::from_secs(cfg.shutdown_grace), drain).await.is_err() {
+        tracing::warn!(
+            grace_s = cfg.shutdown_grace,
+            "shutdown grace period over (NATS unreachable or apply queues long); exiting anyway"
+        );
     }
-    let flushing = pool.clone();
-    let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
-    let _ = client.flush().await;
-    let _ = lookup_client.flush().await;
     for task in background {
         task.abort();
+    }
+    if let Some(e) = failure {
+        return Err(e);
     }
     tracing::info!("kvindex stopped");
     Ok(())

@@ -591,8 +591,8 @@ pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
 /// A router's question (msgpack map).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LookupRequest {
-    /// Local hashes of the request's blocks.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Local hashes of the request's blocks (unsigned or, from int64-only languages, signed).
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "any_int_hashes")]
     pub block_hashes: Option<Vec<u64>>,
     /// Or the token ids, hashed here with `block_size`, `lora_name` and `salt`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -612,6 +612,33 @@ pub struct LookupRequest {
     /// Only the first `max_blocks` blocks are matched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_blocks: Option<u64>,
+}
+
+/// A 64-bit hash sent as an unsigned or a signed (two's complement) msgpack integer.
+struct AnyInt64(u64);
+
+impl<'de> Deserialize<'de> for AnyInt64 {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl serde::de::Visitor<'_> for V {
+            type Value = AnyInt64;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a 64-bit integer")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<AnyInt64, E> {
+                Ok(AnyInt64(v))
+            }
+            fn visit_i64<E>(self, v: i64) -> Result<AnyInt64, E> {
+                Ok(AnyInt64(v as u64))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+fn any_int_hashes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u64>>, D::Error> {
+    let hashes: Option<Vec<AnyInt64>> = Option::deserialize(d)?;
+    Ok(hashes.map(|h| h.into_iter().map(|h| h.0).collect()))
 }
 
 impl LookupRequest {
@@ -986,5 +1013,14 @@ mod tests {
             ),
         ]);
         assert_eq!(decode_event(&enc(bad)), Err(DecodeError::BadTier));
+    }
+
+    #[test]
+    fn lookups_take_signed_hashes_as_their_twos_complement() {
+        let req = Value::Map(vec![("block_hashes".into(), Value::Array(vec![(-1i64).into(), 5u64.into(), (i64::MIN).into()]))]);
+        let got = LookupRequest::decode(&enc(req)).unwrap();
+        assert_eq!(got.block_hashes, Some(vec![u64::MAX, 5, 1 << 63]));
+        let bad = Value::Map(vec![("block_hashes".into(), Value::Array(vec!["x".into()]))]);
+        assert!(LookupRequest::decode(&enc(bad)).is_err());
     }
 }

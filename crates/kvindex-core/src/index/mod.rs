@@ -33,6 +33,8 @@ pub struct ApplyOutcome {
     pub unplaceable: u64,
     /// Stored blocks beyond the index's maximum depth.
     pub too_deep: u64,
+    /// Events not applied because the worker could not be tracked (every slot taken).
+    pub refused: u64,
 }
 
 impl ApplyOutcome {
@@ -45,6 +47,7 @@ impl ApplyOutcome {
         self.unknown_removes += other.unknown_removes;
         self.unplaceable += other.unplaceable;
         self.too_deep += other.too_deep;
+        self.refused += other.refused;
     }
 }
 

@@ -1,0 +1,131 @@
+//! Safe to expose (issue 9): what an attacker or an operator tried, against a real
+//! `nats-server` and `kvindex serve`, and the behaviour each now gets.
+
+mod support;
+
+use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent, LookupRequest, LookupResponse, MatchEntry};
+use support::{eventually, Daemon, NatsServer};
+
+fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
+    EventBatch {
+        header: BatchHeader { worker_id, epoch, ..BatchHeader::default() },
+        events: events.into_iter().map(Ok).collect(),
+    }
+}
+
+async fn lookup(c: &async_nats::Client, req: &LookupRequest) -> LookupResponse {
+    let reply = c.request("t.lookup", rmp_serde::to_vec_named(req).unwrap().into()).await.unwrap();
+    rmp_serde::from_slice(&reply.payload).unwrap()
+}
+
+async fn matches(c: &async_nats::Client, hashes: &[u64]) -> Vec<MatchEntry> {
+    match lookup(c, &LookupRequest { block_hashes: Some(hashes.to_vec()), ..Default::default() }).await {
+        LookupResponse::Matches { matches } => matches,
+        LookupResponse::Error { error } => panic!("lookup refused: {error}"),
+    }
+}
+
+/// Waits until a lookup of `hashes` answers `depths` as (worker, blocks).
+async fn expect(c: &async_nats::Client, hashes: &[u64], depths: &[(u64, u32)]) {
+    let got = eventually(10, || async {
+        let m: Vec<(u64, u32)> = matches(c, hashes).await.iter().map(|m| (m.worker_id, m.blocks)).collect();
+        (m == depths).then_some(())
+    })
+    .await;
+    assert!(got.is_some(), "lookup {hashes:?} never answered {depths:?}; last {:?}", matches(c, hashes).await);
+}
+
+async fn send(c: &async_nats::Client, subject: &str, b: &EventBatch) {
+    c.publish(subject.to_string(), encode_batch(b).into()).await.unwrap();
+    c.flush().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subject_aliases_and_late_batches_of_a_replaced_process_are_refused() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // `kv.events.7` may be the only subject worker 7's credentials allow: `007` and `+7` are
+    // other subjects that must not reach worker 7's state.
+    for alias in ["t.events.007", "t.events.+7"] {
+        send(&c, alias, &batch(7, 1, vec![KvEvent::stored(0, None, &[(70, 1)])])).await;
+    }
+    assert!(
+        eventually(10, || async {
+            (d.metric("kvindex_decode_failures_total{reason=\"bad_subject\"}").await == 2.0).then_some(())
+        })
+        .await
+        .is_some(),
+        "both aliases counted as bad subjects"
+    );
+    assert_eq!(matches(&c, &[1]).await, vec![], "nothing applied through an alias");
+
+    // Worker 7 restarts (epoch 1 -> 2); a batch the old process sent before dying arrives late.
+    send(&c, "t.events.7", &batch(7, 1, vec![KvEvent::stored(0, None, &[(70, 1)])])).await;
+    send(&c, "t.events.7", &batch(7, 2, vec![KvEvent::stored(0, None, &[(80, 2), (81, 3)])])).await;
+    expect(&c, &[2, 3], &[(7, 2)]).await;
+    send(&c, "t.events.7", &batch(7, 1, vec![KvEvent::stored(1, Some(70), &[(71, 4)])])).await;
+    assert!(
+        eventually(10, || async { (d.metric("kvindex_decode_failures_total{reason=\"old_epoch\"}").await == 1.0).then_some(()) })
+            .await
+            .is_some(),
+        "the leftover is counted"
+    );
+    expect(&c, &[2, 3], &[(7, 2)]).await;
+    assert_eq!(d.metric("kvindex_epoch_changes_total").await, 1.0, "the leftover did not flip the epoch back");
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_registry_is_counted_and_lookups_take_signed_hashes() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |cfg| cfg.max_workers = 2).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // Hash u64::MAX, as an int64-only router writes it: -1.
+    for w in 1..=3u64 {
+        send(&c, &format!("t.events.{w}"), &batch(w, 1, vec![KvEvent::stored(0, None, &[(w, u64::MAX)])])).await;
+    }
+    assert!(
+        eventually(10, || async {
+            (d.metric("kvindex_refused_events_total{reason=\"registry_full\"}").await == 1.0).then_some(())
+        })
+        .await
+        .is_some(),
+        "the third worker's event is refused and counted"
+    );
+    let signed = rmpv::Value::Map(vec![("block_hashes".into(), rmpv::Value::Array(vec![(-1i64).into()]))]);
+    let mut payload = Vec::new();
+    rmpv::encode::write_value(&mut payload, &signed).unwrap();
+    let reply = c.request("t.lookup", payload.into()).await.unwrap();
+    let answer: LookupResponse = rmp_serde::from_slice(&reply.payload).unwrap();
+    let LookupResponse::Matches { matches } = answer else { panic!("signed hashes refused: {answer:?}") };
+    // Which two of the three got the slots depends on the apply threads' timing.
+    assert_eq!(matches.len(), 2, "{matches:?}");
+    assert!(matches.iter().all(|m| m.blocks == 1 && (1..=3).contains(&m.worker_id)), "{matches:?}");
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_service_variables_do_not_stop_the_binary() {
+    let nats = NatsServer::start();
+    let env = [("READY_SETTLE_MS", "100"), ("PORT", "tcp://10.0.0.1:9464"), ("SERVICE_HOST", "10.0.0.1")];
+    let mut d = support::process::DaemonProcess::start(&nats.url(), &[], &env);
+    d.wait_ready(10).await;
+    assert!(d.running());
+    let status = d.terminate().expect("exits after SIGTERM");
+    assert!(status.success(), "{status:?}; log:\n{}", d.log_text());
+    let log = d.log_text();
+    assert!(log.contains("KVINDEX_PORT") && log.contains("ignoring"), "the ignored variables are logged once:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_while_nats_is_unreachable_exits_within_the_grace_period() {
+    let nats = NatsServer::start();
+    let mut d = support::process::DaemonProcess::start(&nats.url(), &[], &[("READY_SETTLE_MS", "100"), ("SHUTDOWN_GRACE", "1")]);
+    d.wait_ready(10).await;
+    drop(nats);
+    // Let the daemon notice that NATS is gone.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let status = d.terminate().expect("exits within 10 s of SIGTERM although NATS is unreachable");
+    assert!(status.success(), "{status:?}; log:\n{}", d.log_text());
+}
