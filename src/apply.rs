@@ -6,9 +6,9 @@
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{ApplyOutcome, KvIndex};
+use kvindex_core::seeded::{SeededMap, SeededState};
 use kvindex_core::Event;
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -47,6 +47,8 @@ pub struct ApplyPool<I: KvIndex> {
     handles: Vec<JoinHandle<()>>,
     totals: Arc<Vec<Mutex<ApplyOutcome>>>,
     stats: Arc<PoolStats>,
+    /// Picks a worker's thread; seeded, so that chosen worker ids cannot pile onto one thread.
+    spread: SeededState,
 }
 
 impl<I: KvIndex> ApplyPool<I> {
@@ -67,7 +69,7 @@ impl<I: KvIndex> ApplyPool<I> {
                 .expect("spawning an apply thread");
             handles.push(handle);
         }
-        ApplyPool { index, senders, handles, totals, stats }
+        ApplyPool { index, senders, handles, totals, stats, spread: SeededState::default() }
     }
 
     /// The index the pool writes to.
@@ -76,7 +78,7 @@ impl<I: KvIndex> ApplyPool<I> {
     }
 
     fn thread_of(&self, worker: WorkerId) -> usize {
-        (rustc_hash::FxBuildHasher.hash_one(worker) % self.senders.len() as u64) as usize
+        (self.spread.hash_one(worker) % self.senders.len() as u64) as usize
     }
 
     /// Queues a worker's batch, waiting while its thread's queue is full.
@@ -152,7 +154,7 @@ fn apply_loop<I: KvIndex>(
     stats: &PoolStats,
     hook: Option<OnApplied>,
 ) {
-    let mut writers: FxHashMap<WorkerId, I::Writer> = FxHashMap::default();
+    let mut writers: SeededMap<WorkerId, I::Writer> = SeededMap::default();
     for cmd in rx {
         match cmd {
             Command::Apply { worker, events, tag } => {

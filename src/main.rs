@@ -169,6 +169,13 @@ struct E2eArgs {
 struct GenArgs {
     #[command(flatten)]
     source: Source,
+    /// Instead of the trace: N root blocks whose hashes are built to collide in an unseeded
+    /// table, then an honest worker's chain (a hash-flooding attack, for `bench --stream`).
+    #[arg(long)]
+    flood: Option<u64>,
+    /// With --flood: random keys instead (the control).
+    #[arg(long, requires = "flood")]
+    random_keys: bool,
     /// Output file (`-` for stdout).
     #[arg(long, short, default_value = "-")]
     out: String,
@@ -315,6 +322,10 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
 }
 
 fn gen_cmd(a: GenArgs) -> Result<()> {
+    if let Some(n) = a.flood {
+        let ops = tools::flood::flood_stream(n, !a.random_keys);
+        return write_ops(&a.out, &ops);
+    }
     let mut trace = trace::read_trace_file(&a.source.trace)?;
     trace.truncate(a.source.requests.unwrap_or(usize::MAX));
     let mut engine = MockEngine::new(a.source.mock());
@@ -322,15 +333,20 @@ fn gen_cmd(a: GenArgs) -> Result<()> {
     for r in &trace {
         engine.request(r, &mut ops);
     }
-    let lines = ops.iter().map(|o| &o.op);
-    if a.out == "-" {
-        stream::write_stream(std::io::BufWriter::new(std::io::stdout().lock()), lines)?;
-    } else {
-        let f = std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out))?;
-        stream::write_stream(std::io::BufWriter::new(f), lines)?;
-    }
+    let lines: Vec<stream::StreamOp> = ops.iter().map(|o| o.op.clone()).collect();
+    write_ops(&a.out, &lines)?;
     eprintln!("{} ops from {} requests; {} blocks cached at the end", ops.len(), trace.len(), engine.cached_blocks());
     Ok(())
+}
+
+/// Writes a replay stream to `out` (`-`: stdout).
+fn write_ops(out: &str, ops: &[stream::StreamOp]) -> Result<()> {
+    if out == "-" {
+        stream::write_stream(std::io::BufWriter::new(std::io::stdout().lock()), ops)
+    } else {
+        let f = std::fs::File::create(out).with_context(|| format!("creating {out}"))?;
+        stream::write_stream(std::io::BufWriter::new(f), ops)
+    }
 }
 
 /// A backend name as the CLI spells it (core's names; the index crate has no CLI derive).

@@ -5,6 +5,7 @@
 //!   trace into events.
 //! - [`stream`]: the JSONL replay stream format (`shared/STREAM.md`), converted to and from
 //!   the domain event at this edge.
+//! - [`flood`]: a hash-flooding workload (keys built to collide without a seed) and its control.
 //! - [`bench`]: `kvindex bench`, the trace-replay benchmark of the index backends.
 //! - [`harness`]: a `nats-server` child and an in-process daemon, for `e2e` and the tests.
 //! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
@@ -13,6 +14,7 @@
 pub mod alloc;
 pub mod bench;
 pub mod e2e;
+pub mod flood;
 pub mod harness;
 pub mod stream;
 pub mod trace;

@@ -10,6 +10,8 @@
 //!   kvindex's rolling prefix hashes, worker identities, token hashing (XXH3-64, seed 1337).
 //! - [`event`]: the one domain event type (`stored`, `removed`, `cleared`) that the wire
 //!   decoder, the replay stream and the benchmarks convert into.
+//! - [`seeded`]: hashing keyed with a per-process random seed, for every table keyed by
+//!   values that publishers or routers choose (hash-flooding resistance).
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`index`]: the [`KvIndex`] trait and its backends: [`PositionalIndex`] (the default),
 //!   [`RadixIndex`] and the [`ReferenceIndex`] model the tests compare both against.
@@ -47,6 +49,7 @@
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod seeded;
 pub mod workers;
 
 pub use event::{Event, Tier};

@@ -2,8 +2,8 @@
 //! slot, reused after the worker is removed, so that index entries hold workers as bits.
 
 use crate::hash::WorkerId;
+use crate::seeded::SeededMap;
 use parking_lot::{Mutex, RwLock};
-use rustc_hash::FxHashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A worker's dense slot number.
@@ -20,7 +20,7 @@ pub struct WorkerRegistry {
 
 #[derive(Default)]
 struct RegistryInner {
-    by_id: FxHashMap<WorkerId, Slot>,
+    by_id: SeededMap<WorkerId, Slot>,
     free: Vec<Slot>,
     next: Slot,
 }
@@ -265,7 +265,7 @@ impl WorkerSet {
 }
 
 /// Members of [`WorkerSet`]s that spilled, kept by the owner of the sets under its own key.
-pub type Spill<K> = rustc_hash::FxHashMap<K, SlotBits>;
+pub type Spill<K> = crate::seeded::SeededMap<K, SlotBits>;
 
 impl WorkerSet {
     /// Adds `slot`, spilling into `spill[key]` when the set outgrows its window; returns

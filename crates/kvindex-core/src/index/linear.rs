@@ -21,26 +21,33 @@ struct Slot<V> {
 }
 
 /// Map from u64 keys to small `Copy` values.
-#[derive(Default)]
 pub(crate) struct LinearMap<V: Copy + Default> {
     slots: Vec<Slot<V>>,
     /// Keys in `slots` (not counting `zero`).
     used: usize,
     zero: Option<V>,
+    /// The process seed: keys are chosen by publishers, so their home slots must not be.
+    seed: u64,
 }
 
-/// The home slot of `key` in a table of `cap` slots: the key is mixed by a Fibonacci
-/// multiply (spreading sequential keys), then reduced to `0..cap` by a 128-bit multiply.
+impl<V: Copy + Default> Default for LinearMap<V> {
+    fn default() -> Self {
+        LinearMap { slots: Vec::new(), used: 0, zero: None, seed: crate::seeded::process_seed() }
+    }
+}
+
+/// The home slot of `key` in a table of `cap` slots: the key is mixed under the seed (a
+/// folded multiply), then reduced to `0..cap` by a 128-bit multiply.
 #[inline]
-fn home_of(key: u64, cap: usize) -> usize {
-    let mixed = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+fn home_of(key: u64, seed: u64, cap: usize) -> usize {
+    let mixed = crate::seeded::mix(key, seed);
     ((mixed as u128 * cap as u128) >> 64) as usize
 }
 
 impl<V: Copy + Default> LinearMap<V> {
     #[inline]
     fn home(&self, key: u64) -> usize {
-        home_of(key, self.slots.len())
+        home_of(key, self.seed, self.slots.len())
     }
 
     #[inline]
@@ -256,7 +263,7 @@ pub(crate) fn prefetch_raw<V>(ptr: *const u8, cap: usize, key: u64) {
     if ptr.is_null() || cap == 0 {
         return;
     }
-    let idx = home_of(key, cap);
+    let idx = home_of(key, crate::seeded::process_seed(), cap);
     let _p = ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>());
     #[cfg(target_arch = "x86_64")]
     // SAFETY: prefetching is a hint and cannot fault, whatever the address.

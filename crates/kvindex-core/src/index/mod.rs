@@ -13,6 +13,7 @@ pub mod radix;
 pub mod reference;
 
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use crate::seeded::SeededState;
 use crate::workers::{RegistryError, Slot, SlotBits, WorkerRegistry};
 use serde::Serialize;
 
@@ -134,6 +135,8 @@ pub(crate) fn candidate_slots(registry: &WorkerRegistry, opts: &MatchOptions, ou
     let width = registry.high_water();
     out.fill(width);
     if let Some(filter) = &opts.workers {
+        // A set, so that a long filter costs its length once, not once per worker slot.
+        let filter: std::collections::HashSet<u64, SeededState> = filter.iter().copied().collect();
         registry.with_ids(|ids| {
             for (slot, id) in ids.iter().enumerate() {
                 if !id.is_some_and(|id| filter.contains(&id.worker_id)) {

@@ -15,9 +15,9 @@
 use super::linear::{prefetch_raw, LinearMap};
 use super::{candidate_slots, finish_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
+use crate::seeded::SeededMap;
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -156,12 +156,12 @@ pub struct PositionalWriter {
     orphans: u64,
     /// Orphans by the engine hash of the parent they wait for: (its position, its prefix,
     /// how many wait).
-    waiting: FxHashMap<u64, (u32, u64, u32)>,
+    waiting: SeededMap<u64, (u32, u64, u32)>,
     /// Set when an engine hash was reused in a way the orphan count cannot follow; the
     /// worker is then always checked position by position, until it is cleared.
     tangled: bool,
     /// Extra records holding an already-held (position, prefix) under another engine hash.
-    aliases: FxHashMap<(u32, u64), u32>,
+    aliases: SeededMap<(u32, u64), u32>,
     /// Scratch: prefix hashes of the chain being stored.
     chain: Vec<u64>,
 }
@@ -419,9 +419,9 @@ impl KvIndex for PositionalIndex {
             slot,
             blocks: LinearMap::default(),
             orphans: 0,
-            waiting: FxHashMap::default(),
+            waiting: SeededMap::default(),
             tangled: false,
-            aliases: FxHashMap::default(),
+            aliases: SeededMap::default(),
             chain: Vec::new(),
         })
     }
@@ -556,8 +556,8 @@ impl KvIndex for PositionalIndex {
         self.placements.fetch_sub(removed as i64, Ordering::Relaxed);
         let was_holey = w.holey();
         w.blocks = LinearMap::default();
-        w.waiting = FxHashMap::default();
-        w.aliases = FxHashMap::default();
+        w.waiting = SeededMap::default();
+        w.aliases = SeededMap::default();
         w.orphans = 0;
         w.tangled = false;
         self.note_holey(w, was_holey);

@@ -4,9 +4,9 @@
 
 use super::{candidate_slots, finish_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use crate::seeded::SeededMap;
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::RwLock;
-use rustc_hash::FxHashMap;
 use std::cell::RefCell;
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -31,7 +31,7 @@ struct Tree {
     /// Freed ids, reused lowest first so live nodes gather at the front and the tail can be
     /// given back (see `trim`).
     free: BTreeSet<NodeId>,
-    children: FxHashMap<(NodeId, u64), NodeId>,
+    children: SeededMap<(NodeId, u64), NodeId>,
     spill: Spill<NodeId>,
 }
 
@@ -101,9 +101,9 @@ pub struct RadixIndex {
 pub struct RadixWriter {
     id: WorkerId,
     slot: Slot,
-    blocks: FxHashMap<u64, NodeId>,
+    blocks: SeededMap<u64, NodeId>,
     /// Extra engine hashes this worker holds at an already-held node.
-    aliases: FxHashMap<NodeId, u32>,
+    aliases: SeededMap<NodeId, u32>,
 }
 
 #[derive(Default)]
@@ -156,7 +156,7 @@ impl KvIndex for RadixIndex {
 
     fn writer(&self, worker: WorkerId) -> Result<RadixWriter, IndexError> {
         let slot = self.registry.intern(worker)?;
-        Ok(RadixWriter { id: worker, slot, blocks: FxHashMap::default(), aliases: FxHashMap::default() })
+        Ok(RadixWriter { id: worker, slot, blocks: SeededMap::default(), aliases: SeededMap::default() })
     }
 
     fn worker_id(w: &RadixWriter) -> WorkerId {
@@ -249,8 +249,8 @@ impl KvIndex for RadixIndex {
         }
         tree.trim();
         let removed = w.blocks.len() as u64;
-        w.blocks = FxHashMap::default();
-        w.aliases = FxHashMap::default();
+        w.blocks = SeededMap::default();
+        w.aliases = SeededMap::default();
         self.placements.fetch_sub(removed as i64, Ordering::Relaxed);
         ApplyOutcome { removed, ..Default::default() }
     }
