@@ -18,6 +18,7 @@ pub struct Metrics {
     pub unplaceable_blocks: IntCounter,
     pub unknown_removes: IntCounter,
     pub refused_events: IntCounterVec,
+    pub too_deep_blocks: IntCounter,
     pub dead_apply_threads: IntGauge,
     pub non_device_blocks: IntCounterVec,
     pub resync_requests: IntCounterVec,
@@ -140,6 +141,11 @@ impl Metrics {
                 "Stored blocks whose parent the worker does not hold.",
             ),
             unknown_removes: counter(&r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
+            too_deep_blocks: counter(
+                &r,
+                "kvindex_too_deep_blocks_total",
+                "Stored blocks past max_depth, or under such a block: ignored, the worker stays whole.",
+            ),
             refused_events: counter_vec(
                 &r,
                 "kvindex_refused_events_total",

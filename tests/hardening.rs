@@ -129,3 +129,43 @@ async fn sigterm_while_nats_is_unreachable_exits_within_the_grace_period() {
     let status = d.terminate().expect("exits within 10 s of SIGTERM although NATS is unreachable");
     assert!(status.success(), "{status:?}; log:\n{}", d.log_text());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chain_past_max_depth_is_ignored_without_a_resync_storm() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |cfg| cfg.max_depth = 4).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // Six blocks in one piece, two more under the last: only the first four have a place.
+    let first: Vec<(u64, u64)> = (0..6).map(|i| (500 + i, 1 + i)).collect();
+    send(&c, "t.events.5", &batch(5, 1, vec![KvEvent::stored(0, None, &first)])).await;
+    send(&c, "t.events.5", &batch(5, 1, vec![KvEvent::stored(1, Some(505), &[(506, 7), (507, 8)])])).await;
+    assert!(
+        eventually(10, || async { (d.metric("kvindex_too_deep_blocks_total").await == 4.0).then_some(()) }).await.is_some(),
+        "the two blocks past the limit and the two under them are counted as too deep"
+    );
+    let m = matches(&c, &[1, 2, 3, 4, 5, 6, 7, 8]).await;
+    assert_eq!(m, vec![MatchEntry { worker_id: 5, dp_rank: 0, blocks: 4, stale: false }], "whole, not stale");
+    assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 0.0);
+    assert_eq!(d.metric("kvindex_resync_requests_total{scope=\"worker\"}").await, 0.0, "nothing to resync");
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_resync_backoff_holds_while_a_publisher_keeps_sending_what_cannot_be_placed() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // Worker 6 has no publisher to answer resyncs, and sends a store under an unknown parent
+    // ten times a second for three seconds.
+    send(&c, "t.events.6", &batch(6, 1, vec![KvEvent::stored(0, None, &[(600, 1)])])).await;
+    for id in 1..=30u64 {
+        send(&c, "t.events.6", &batch(6, 1, vec![KvEvent::stored(id, Some(999), &[(600 + id, 2)])])).await;
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let asked = d.metric("kvindex_resync_requests_total{scope=\"worker\"}").await;
+    // Backoff from 1 s, doubling: about three requests in three seconds (one per batch before).
+    assert!((1.0..=5.0).contains(&asked), "{asked} resync requests for 30 unplaceable batches");
+    assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 30.0);
+    assert_eq!(matches(&c, &[1]).await, vec![MatchEntry { worker_id: 6, dp_rank: 0, blocks: 1, stale: true }]);
+    d.stop().await.unwrap();
+}

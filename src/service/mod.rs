@@ -78,11 +78,16 @@ impl State {
         self.log.warn(reason, detail);
     }
 
+    /// Marks `w` stale and asks it to resync at once, unless it is stale already: then its
+    /// backoff stands (whatever marks it stale again, requests keep doubling their interval
+    /// until a snapshot completes), so a publisher that keeps sending what cannot be placed
+    /// is not asked again on every batch.
     fn mark_stale(&self, w: WorkerId) {
-        if self.stale.insert(w, Resync::default()).is_none() {
+        if let dashmap::mapref::entry::Entry::Vacant(v) = self.stale.entry(w) {
+            v.insert(Resync::default());
             self.metrics.stale_workers.inc();
+            let _ = self.resync_tx.send(w);
         }
-        let _ = self.resync_tx.send(w);
     }
 
     /// Stale while its snapshot is open; counted as asked once, so a resync request goes out
@@ -181,6 +186,9 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
             m.hot.blocks_stored.inc_by(out.stored);
             m.hot.blocks_removed.inc_by(out.removed);
             m.unknown_removes.inc_by(out.unknown_removes);
+            // Past max_depth: ignored and counted, the worker stays whole (a resync would
+            // bring the same chain back).
+            m.too_deep_blocks.inc_by(out.too_deep);
             if out.refused > 0 {
                 m.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
                 let max = state.cfg.max_workers;

@@ -1,7 +1,8 @@
 //! Every backend must answer exactly like the reference model, on random event streams
 //! built to hit the hard cases: chunk-hash collisions (a tiny local-hash alphabet), removals
 //! in the middle of chains, engine hashes reused for other blocks, duplicates, unknown
-//! parents and removes, clears, and workers removed and coming back (restarts).
+//! parents and removes, clears, workers removed and coming back (restarts), chains past the
+//! depth limit continued in later pieces, and chains longer than a position chunk.
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
@@ -26,11 +27,16 @@ fn worker_id(w: usize, spread: u64) -> WorkerId {
 }
 
 fn op_strategy(workers: usize, hashes: u64, locals: u64) -> impl Strategy<Value = Op> {
+    op_strategy_chains(workers, hashes, locals, 6)
+}
+
+/// As [`op_strategy`], with stored chains of up to `chain - 1` blocks.
+fn op_strategy_chains(workers: usize, hashes: u64, locals: u64, chain: usize) -> impl Strategy<Value = Op> {
     let w = 0..workers;
     let h = 0..hashes;
     let l = 0..locals;
     prop_oneof![
-        6 => (w.clone(), proptest::option::weighted(0.7, h.clone()), proptest::collection::vec((h.clone(), l.clone()), 1..6))
+        6 => (w.clone(), proptest::option::weighted(0.7, h.clone()), proptest::collection::vec((h.clone(), l.clone()), 1..chain))
             .prop_map(|(worker, parent, blocks)| Op::Store { worker, parent, blocks }),
         3 => (w.clone(), proptest::collection::vec(h.clone(), 1..4)).prop_map(|(worker, hashes)| Op::Remove { worker, hashes }),
         1 => w.clone().prop_map(|worker| Op::Clear { worker }),
@@ -95,10 +101,14 @@ impl<I: KvIndex> Driver<I> {
 }
 
 fn check(ops: &[Op], jump: usize, spread: u64) -> Result<(), TestCaseError> {
-    let cfg = PositionalConfig { jump, max_depth: 64, max_workers: 1 << 12 };
-    let mut reference = Driver::new(ReferenceIndex::new(64, 1 << 12), spread);
+    check_depth(ops, jump, spread, 64)
+}
+
+fn check_depth(ops: &[Op], jump: usize, spread: u64, max_depth: u32) -> Result<(), TestCaseError> {
+    let cfg = PositionalConfig { jump, max_depth, max_workers: 1 << 12 };
+    let mut reference = Driver::new(ReferenceIndex::new(max_depth, 1 << 12), spread);
     let mut positional = Driver::new(PositionalIndex::new(cfg), spread);
-    let mut radix = Driver::new(RadixIndex::new(64, 1 << 12), spread);
+    let mut radix = Driver::new(RadixIndex::new(max_depth, 1 << 12), spread);
     for (i, op) in ops.iter().enumerate() {
         let want = reference.apply(op);
         let got_p = positional.apply(op);
@@ -138,5 +148,31 @@ proptest! {
     #[test]
     fn backends_match_reference_with_many_workers(ops in proptest::collection::vec(op_strategy(120, 16, 4), 1..300), jump in 1usize..5) {
         check(&ops, jump, 1_000_003)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
+
+    /// A depth limit of a few blocks: chains cross it all the time, and later pieces hang off
+    /// blocks past it (too deep, not unplaceable), are removed, re-stored and cleared.
+    #[test]
+    fn backends_match_reference_at_the_depth_limit(
+        ops in proptest::collection::vec(op_strategy(4, 16, 4), 1..150), jump in 1usize..4, max_depth in 2u32..8
+    ) {
+        check_depth(&ops, jump, 1, max_depth)?;
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 150, ..ProptestConfig::default() })]
+
+    /// Chains of up to 300 blocks in one event: across position chunks (128) and the most a
+    /// writer applies under one chunk lock (32), with removals in the middle leaving holes.
+    #[test]
+    fn backends_match_reference_with_chains_longer_than_a_chunk(
+        ops in proptest::collection::vec(op_strategy_chains(3, 900, 5, 300), 1..40), jump in 1usize..80
+    ) {
+        check_depth(&ops, jump, 1, 400)?;
     }
 }

@@ -32,7 +32,9 @@ pub struct ApplyOutcome {
     pub unknown_removes: u64,
     /// Stored blocks that could not be placed: their parent is not held by the worker.
     pub unplaceable: u64,
-    /// Stored blocks beyond the index's maximum depth.
+    /// Stored blocks beyond the index's maximum depth, or under such a block: ignored, but
+    /// remembered, so that the rest of a long chain is not unplaceable (a resync would not
+    /// help: the snapshot would send the same chain).
     pub too_deep: u64,
     /// Events not applied because the worker could not be tracked (every slot taken).
     pub refused: u64,
@@ -128,6 +130,37 @@ pub trait KvIndex: Send + Sync + 'static {
 
     /// Current size.
     fn stats(&self) -> IndexStats;
+}
+
+/// Engine hashes of a worker's blocks past the maximum depth. They are never placed, but they
+/// are remembered, so that a chain continued under one of them (the next piece of a long
+/// chain, or a snapshot's) is counted as too deep as well, not as unplaceable: an unplaceable
+/// store makes the worker stale and asks for a snapshot, which would send the same blocks
+/// again, forever. Every backend keeps one per writer, with the same rules.
+#[derive(Default)]
+pub(crate) struct Beyond(std::collections::HashSet<u64, SeededState>);
+
+impl Beyond {
+    /// Whether `hash` is a block past the maximum depth.
+    pub(crate) fn contains(&self, hash: BlockHash) -> bool {
+        !self.0.is_empty() && self.0.contains(&hash.0)
+    }
+
+    /// Remembers `blocks` as too deep; returns how many that is.
+    pub(crate) fn add(&mut self, blocks: &[StoredBlock]) -> u64 {
+        self.0.extend(blocks.iter().map(|b| b.block_hash.0));
+        blocks.len() as u64
+    }
+
+    /// Forgets `hash` (it was removed); whether it was there.
+    pub(crate) fn forget(&mut self, hash: BlockHash) -> bool {
+        !self.0.is_empty() && self.0.remove(&hash.0)
+    }
+
+    /// Forgets everything (the worker was cleared).
+    pub(crate) fn clear(&mut self) {
+        self.0 = Default::default();
+    }
 }
 
 /// The slots a lookup may consider: every interned slot, or those of the filter's workers.

@@ -13,7 +13,7 @@
 //! checks every position instead.
 
 use super::linear::{prefetch_raw, LinearMap};
-use super::{candidate_slots, finish_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use super::{candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::seeded::SeededMap;
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
@@ -164,6 +164,8 @@ pub struct PositionalWriter {
     aliases: SeededMap<(u32, u64), u32>,
     /// Scratch: prefix hashes of the chain being stored.
     chain: Vec<u64>,
+    /// Its blocks past `max_depth` (see [`Beyond`]).
+    beyond: Beyond,
 }
 
 /// How far ahead of the block being applied its reverse-map slot is prefetched.
@@ -423,6 +425,7 @@ impl KvIndex for PositionalIndex {
             tangled: false,
             aliases: SeededMap::default(),
             chain: Vec::new(),
+            beyond: Beyond::default(),
         })
     }
 
@@ -437,6 +440,10 @@ impl KvIndex for PositionalIndex {
             None => (None, 0u32),
             Some(h) => match w.blocks.get(h.0) {
                 Some(p) => (Some(ParentRef { hash: h.0, prefix: p.prefix, held: true }), p.pos + 1),
+                None if w.beyond.contains(h) => {
+                    out.too_deep = w.beyond.add(blocks);
+                    return out;
+                }
                 None => {
                     out.unplaceable = blocks.len() as u64;
                     return out;
@@ -460,7 +467,7 @@ impl KvIndex for PositionalIndex {
         let mut cur = WriteCursor::new(self);
         for (n, b) in blocks.iter().enumerate() {
             if pos >= self.cfg.max_depth {
-                out.too_deep += (blocks.len() - n) as u64;
+                out.too_deep += w.beyond.add(&blocks[n..]);
                 break;
             }
             if let Some(ahead) = blocks.get(n + PREFETCH) {
@@ -533,11 +540,13 @@ impl KvIndex for PositionalIndex {
                 self.prefetch_entry(rec.pos, rec.prefix);
                 w.blocks.prefetch(rec.parent);
             }
+            let was_beyond = w.beyond.forget(*h);
             match w.blocks.remove(h.0) {
                 Some(rec) => {
                     self.remove_rec(&mut cur, w, h.0, rec);
                     out.removed += 1;
                 }
+                None if was_beyond => {}
                 None => out.unknown_removes += 1,
             }
         }
@@ -558,6 +567,7 @@ impl KvIndex for PositionalIndex {
         w.blocks = LinearMap::default();
         w.waiting = SeededMap::default();
         w.aliases = SeededMap::default();
+        w.beyond.clear();
         w.orphans = 0;
         w.tangled = false;
         self.note_holey(w, was_holey);

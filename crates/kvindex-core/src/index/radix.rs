@@ -2,7 +2,7 @@
 //! workers that cache the block at the end of its path. A lookup walks the query's path
 //! once, with no prefix hashing, so it wins on short or highly divergent sequences.
 
-use super::{candidate_slots, finish_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use super::{candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::seeded::SeededMap;
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
@@ -104,6 +104,8 @@ pub struct RadixWriter {
     blocks: SeededMap<u64, NodeId>,
     /// Extra engine hashes this worker holds at an already-held node.
     aliases: SeededMap<NodeId, u32>,
+    /// Its blocks past `max_depth` (see [`Beyond`]).
+    beyond: Beyond,
 }
 
 #[derive(Default)]
@@ -156,7 +158,13 @@ impl KvIndex for RadixIndex {
 
     fn writer(&self, worker: WorkerId) -> Result<RadixWriter, IndexError> {
         let slot = self.registry.intern(worker)?;
-        Ok(RadixWriter { id: worker, slot, blocks: SeededMap::default(), aliases: SeededMap::default() })
+        Ok(RadixWriter {
+            id: worker,
+            slot,
+            blocks: SeededMap::default(),
+            aliases: SeededMap::default(),
+            beyond: Beyond::default(),
+        })
     }
 
     fn worker_id(w: &RadixWriter) -> WorkerId {
@@ -169,6 +177,10 @@ impl KvIndex for RadixIndex {
             None => ROOT,
             Some(h) => match w.blocks.get(&h.0) {
                 Some(&n) => n,
+                None if w.beyond.contains(h) => {
+                    out.too_deep = w.beyond.add(blocks);
+                    return out;
+                }
                 None => {
                     out.unplaceable = blocks.len() as u64;
                     return out;
@@ -179,7 +191,7 @@ impl KvIndex for RadixIndex {
         let mut released = Vec::new();
         for (i, b) in blocks.iter().enumerate() {
             if tree.nodes[node as usize].depth >= self.max_depth {
-                out.too_deep += (blocks.len() - i) as u64;
+                out.too_deep += w.beyond.add(&blocks[i..]);
                 break;
             }
             let child = tree.child_or_insert(node, b.tokens_hash.0);
@@ -219,12 +231,14 @@ impl KvIndex for RadixIndex {
         let mut out = ApplyOutcome::default();
         let mut tree = self.tree.write();
         for h in hashes {
+            let was_beyond = w.beyond.forget(*h);
             match w.blocks.remove(&h.0) {
                 Some(node) => {
                     Self::release(&mut tree, w, node);
                     tree.prune(node);
                     out.removed += 1;
                 }
+                None if was_beyond => {}
                 None => out.unknown_removes += 1,
             }
         }
@@ -251,6 +265,7 @@ impl KvIndex for RadixIndex {
         let removed = w.blocks.len() as u64;
         w.blocks = SeededMap::default();
         w.aliases = SeededMap::default();
+        w.beyond.clear();
         self.placements.fetch_sub(removed as i64, Ordering::Relaxed);
         ApplyOutcome { removed, ..Default::default() }
     }

@@ -2,7 +2,7 @@
 //! Each worker is a map block hash -> (position, prefix); a lookup checks every position of
 //! every worker. Slow on purpose; never used to serve.
 
-use super::{ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use super::{ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{prefix_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::workers::WorkerRegistry;
 use parking_lot::Mutex;
@@ -18,8 +18,9 @@ pub struct ReferenceIndex {
     workers: Mutex<HashMap<WorkerId, Held>>,
 }
 
-/// The reference writer only names its worker; the blocks live in the shared map.
-pub struct ReferenceWriter(WorkerId);
+/// The reference writer names its worker (the blocks live in the shared map) and keeps the
+/// engine hashes of its blocks past the maximum depth.
+pub struct ReferenceWriter(WorkerId, Beyond);
 
 impl ReferenceIndex {
     /// An empty model with the same limits as the backends it checks.
@@ -42,7 +43,7 @@ impl KvIndex for ReferenceIndex {
     fn writer(&self, worker: WorkerId) -> Result<ReferenceWriter, IndexError> {
         self.registry.intern(worker)?;
         self.workers.lock().entry(worker).or_default();
-        Ok(ReferenceWriter(worker))
+        Ok(ReferenceWriter(worker, Beyond::default()))
     }
 
     fn worker_id(w: &ReferenceWriter) -> WorkerId {
@@ -57,6 +58,10 @@ impl KvIndex for ReferenceIndex {
             None => (0, None),
             Some(h) => match held.get(&h.0) {
                 Some(&(p, prefix)) => (p + 1, Some(prefix)),
+                None if w.1.contains(h) => {
+                    out.too_deep = w.1.add(blocks);
+                    return out;
+                }
                 None => {
                     out.unplaceable = blocks.len() as u64;
                     return out;
@@ -65,7 +70,7 @@ impl KvIndex for ReferenceIndex {
         };
         for (i, b) in blocks.iter().enumerate() {
             if pos >= self.max_depth {
-                out.too_deep += (blocks.len() - i) as u64;
+                out.too_deep += w.1.add(&blocks[i..]);
                 break;
             }
             let prefix = PrefixHash::child_of(prev, b.tokens_hash);
@@ -88,8 +93,10 @@ impl KvIndex for ReferenceIndex {
         let mut all = self.workers.lock();
         let held = all.entry(w.0).or_default();
         for h in hashes {
+            let was_beyond = w.1.forget(*h);
             match held.remove(&h.0) {
                 Some(_) => out.removed += 1,
+                None if was_beyond => {}
                 None => out.unknown_removes += 1,
             }
         }
@@ -101,6 +108,7 @@ impl KvIndex for ReferenceIndex {
         let held = all.entry(w.0).or_default();
         let removed = held.len() as u64;
         held.clear();
+        w.1.clear();
         ApplyOutcome { removed, ..Default::default() }
     }
 
