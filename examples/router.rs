@@ -21,20 +21,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let tokens: Vec<u32> = (0..4096).collect();
     let query = Query::tokens(&tokens, 16);
     match lookups.lookup(&query).await {
-        Ok(matches) if matches.is_empty() => println!("no worker holds the first block: route by load alone"),
-        Ok(matches) => {
-            for m in &matches {
+        Ok(answer) => {
+            for m in &answer.matches {
                 let note = if m.stale { " (stale: its depth may be out of date)" } else { "" };
                 println!("worker {} rank {}: {} blocks{note}", m.worker_id, m.dp_rank, m.blocks);
             }
-            let best = &matches[0];
-            println!(
-                "route to worker {} rank {} ({} of {} blocks cached)",
-                best.worker_id,
-                best.dp_rank,
-                best.blocks,
-                tokens.len() / 16
-            );
+            for w in &answer.stale_workers {
+                println!(
+                    "worker {} rank {} is resynchronising: it may hold blocks kvindex has not seen yet",
+                    w.worker_id, w.dp_rank
+                );
+            }
+            match answer.best() {
+                Some(best) => {
+                    println!("route to worker {} rank {} ({} blocks cached)", best.worker_id, best.dp_rank, best.blocks)
+                }
+                None => println!("no up-to-date worker holds the first block: route by load alone"),
+            }
         }
         Err(e @ (ClientError::NoKvindex { .. } | ClientError::Timeout { .. })) => println!("{e}: route by load alone"),
         Err(e) => return Err(e.into()),

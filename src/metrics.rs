@@ -19,6 +19,7 @@ pub struct Metrics {
     pub unknown_removes: IntCounter,
     pub refused_events: IntCounterVec,
     pub too_deep_blocks: IntCounter,
+    pub lookup_reply_failures: IntCounter,
     pub dead_apply_threads: IntGauge,
     pub non_device_blocks: IntCounterVec,
     pub resync_requests: IntCounterVec,
@@ -141,6 +142,11 @@ impl Metrics {
                 "Stored blocks whose parent the worker does not hold.",
             ),
             unknown_removes: counter(&r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
+            lookup_reply_failures: counter(
+                &r,
+                "kvindex_lookup_reply_failures_total",
+                "Lookup answers that could not be sent (NATS refused or lost the reply).",
+            ),
             too_deep_blocks: counter(
                 &r,
                 "kvindex_too_deep_blocks_total",

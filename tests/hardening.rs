@@ -20,7 +20,7 @@ async fn lookup(c: &async_nats::Client, req: &LookupRequest) -> LookupResponse {
 
 async fn matches(c: &async_nats::Client, hashes: &[u64]) -> Vec<MatchEntry> {
     match lookup(c, &LookupRequest { block_hashes: Some(hashes.to_vec()), ..Default::default() }).await {
-        LookupResponse::Matches { matches } => matches,
+        LookupResponse::Matches { matches, .. } => matches,
         LookupResponse::Error { error } => panic!("lookup refused: {error}"),
     }
 }
@@ -98,7 +98,7 @@ async fn a_full_registry_is_counted_and_lookups_take_signed_hashes() {
     rmpv::encode::write_value(&mut payload, &signed).unwrap();
     let reply = c.request("t.lookup", payload.into()).await.unwrap();
     let answer: LookupResponse = rmp_serde::from_slice(&reply.payload).unwrap();
-    let LookupResponse::Matches { matches } = answer else { panic!("signed hashes refused: {answer:?}") };
+    let LookupResponse::Matches { matches, .. } = answer else { panic!("signed hashes refused: {answer:?}") };
     // Which two of the three got the slots depends on the apply threads' timing.
     assert_eq!(matches.len(), 2, "{matches:?}");
     assert!(matches.iter().all(|m| m.blocks == 1 && (1..=3).contains(&m.worker_id)), "{matches:?}");
@@ -167,5 +167,42 @@ async fn the_resync_backoff_holds_while_a_publisher_keeps_sending_what_cannot_be
     assert!((1.0..=5.0).contains(&asked), "{asked} resync requests for 30 unplaceable batches");
     assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 30.0);
     assert_eq!(matches(&c, &[1]).await, vec![MatchEntry { worker_id: 6, dp_rank: 0, blocks: 1, stale: true }]);
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_are_bounded_deepest_first_and_name_stale_workers_without_a_match() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // 70 workers hold block 1; worker 100 also holds block 2 under it.
+    for w in 1..=70u64 {
+        send(&c, &format!("t.events.{w}"), &batch(w, 1, vec![KvEvent::stored(0, None, &[(w * 10, 1)])])).await;
+    }
+    send(&c, "t.events.100", &batch(100, 1, vec![KvEvent::stored(0, None, &[(1000, 1), (1001, 2)])])).await;
+    // Worker 200 skipped event ids: stale, and it holds nothing of the query.
+    send(&c, "t.events.200", &batch(200, 1, vec![KvEvent::stored(0, None, &[(2000, 9)])])).await;
+    send(&c, "t.events.200", &batch(200, 1, vec![KvEvent::stored(5, None, &[(2001, 8)])])).await;
+    let req = LookupRequest { block_hashes: Some(vec![1, 2]), ..Default::default() };
+    let full = eventually(10, || async {
+        match lookup(&c, &req).await {
+            LookupResponse::Matches { matches, stale_workers } if !stale_workers.is_empty() && matches.len() == 64 => {
+                Some((matches, stale_workers))
+            }
+            _ => None,
+        }
+    })
+    .await;
+    let (matches, stale) = full.expect("64 matches (the default) and the stale worker");
+    assert_eq!((matches[0].worker_id, matches[0].blocks), (100, 2), "the deepest is never cut");
+    assert_eq!(stale, vec![kvindex_client::WorkerRef { worker_id: 200, dp_rank: 0 }]);
+    let three = LookupRequest { max_matches: Some(3), ..req.clone() };
+    let LookupResponse::Matches { matches, .. } = lookup(&c, &three).await else { panic!("refused") };
+    assert_eq!(matches.len(), 3);
+    assert_eq!(matches[0].worker_id, 100);
+    // Filtered to other workers, the stale one is not named.
+    let filtered = LookupRequest { workers: Some(vec![1, 2]), ..req };
+    let LookupResponse::Matches { matches, stale_workers } = lookup(&c, &filtered).await else { panic!("refused") };
+    assert_eq!((matches.len(), stale_workers.len()), (2, 0));
     d.stop().await.unwrap();
 }

@@ -38,16 +38,22 @@ async fn ranked_answers_by_tokens_and_hashes() {
     let m = |worker_id, dp_rank, blocks| MatchEntry { worker_id, dp_rank, blocks, stale: false };
 
     let base = Query::tokens(&tokens, BLOCK);
-    let got = eventually(10, || async { lookups.lookup(&base).await.ok().filter(|v| v.len() == 2) }).await;
+    let got = eventually(10, || async { lookups.lookup(&base).await.ok().map(|a| a.matches).filter(|v| v.len() == 2) }).await;
     assert_eq!(got, Some(vec![m(2, 1, 6), m(1, 0, 3)]), "deepest first; the LoRA worker is not a match");
 
     let lora = lookups.lookup(&Query::tokens(&tokens, BLOCK).with_lora("sql-adapter")).await.unwrap();
-    assert_eq!(lora, vec![m(3, 0, 8)], "only the adapter's blocks match its requests");
+    assert_eq!(lora.matches, vec![m(3, 0, 8)], "only the adapter's blocks match its requests");
+    assert!(lora.stale_workers.is_empty());
 
     let hashes = local_hashes(&tokens, BLOCK as usize, None, None);
-    assert_eq!(lookups.lookup(&Query::hashes(&hashes)).await.unwrap(), vec![m(2, 1, 6), m(1, 0, 3)]);
-    assert_eq!(lookups.lookup(&Query::hashes(&hashes).only_workers(&[1])).await.unwrap(), vec![m(1, 0, 3)]);
-    assert_eq!(lookups.lookup(&Query::hashes(&hashes).max_blocks(2)).await.unwrap(), vec![m(1, 0, 2), m(2, 1, 2)]);
+    let ask = |q: Query| {
+        let lookups = lookups.clone();
+        async move { lookups.lookup(&q).await.unwrap().matches }
+    };
+    assert_eq!(ask(Query::hashes(&hashes)).await, vec![m(2, 1, 6), m(1, 0, 3)]);
+    assert_eq!(ask(Query::hashes(&hashes).only_workers(&[1])).await, vec![m(1, 0, 3)]);
+    assert_eq!(ask(Query::hashes(&hashes).max_blocks(2)).await, vec![m(1, 0, 2), m(2, 1, 2)]);
+    assert_eq!(ask(Query::hashes(&hashes).max_matches(1)).await, vec![m(2, 1, 6)], "the deepest is kept");
 
     let refused = lookups.lookup(&Query::tokens(&tokens, 0)).await;
     assert!(matches!(&refused, Err(ClientError::Rejected(why)) if why.contains("block_size")), "{refused:?}");

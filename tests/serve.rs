@@ -37,13 +37,18 @@ fn by_hashes(locals: &[u64]) -> LookupRequest {
     LookupRequest { block_hashes: Some(locals.to_vec()), ..Default::default() }
 }
 
+/// An answer of these matches and no stale worker without a match.
+fn answer(matches: Vec<MatchEntry>) -> LookupResponse {
+    LookupResponse::Matches { matches, stale_workers: vec![] }
+}
+
 fn entry(worker_id: u64, blocks: u32, stale: bool) -> MatchEntry {
     MatchEntry { worker_id, dp_rank: 0, blocks, stale }
 }
 
 /// Waits until the lookup answers `want`.
 async fn expect_matches(client: &async_nats::Client, req: &LookupRequest, want: Vec<MatchEntry>) {
-    let want = LookupResponse::Matches { matches: want };
+    let want = answer(want);
     let got = eventually(10, || async {
         let r = lookup(client, req).await;
         (r == want).then_some(r)
@@ -66,13 +71,13 @@ async fn lookups_in_both_forms_with_filter_and_limit() {
 
     expect_matches(&c, &by_hashes(&locals), vec![entry(1, 6, false), entry(2, 2, false)]).await;
     let by_tokens = LookupRequest { tokens: Some(tokens.clone()), block_size: Some(16), ..Default::default() };
-    assert_eq!(lookup(&c, &by_tokens).await, LookupResponse::Matches { matches: vec![entry(1, 6, false), entry(2, 2, false)] });
+    assert_eq!(lookup(&c, &by_tokens).await, answer(vec![entry(1, 6, false), entry(2, 2, false)]));
     let salted = LookupRequest { salt: Some("tenant".into()), ..by_tokens };
-    assert_eq!(lookup(&c, &salted).await, LookupResponse::Matches { matches: vec![] });
+    assert_eq!(lookup(&c, &salted).await, answer(vec![]));
     let only_2 = LookupRequest { workers: Some(vec![2]), ..by_hashes(&locals) };
-    assert_eq!(lookup(&c, &only_2).await, LookupResponse::Matches { matches: vec![entry(2, 2, false)] });
+    assert_eq!(lookup(&c, &only_2).await, answer(vec![entry(2, 2, false)]));
     let first_1 = LookupRequest { max_blocks: Some(1), ..by_hashes(&locals) };
-    assert_eq!(lookup(&c, &first_1).await, LookupResponse::Matches { matches: vec![entry(1, 1, false), entry(2, 1, false)] });
+    assert_eq!(lookup(&c, &first_1).await, answer(vec![entry(1, 1, false), entry(2, 1, false)]));
 
     // A request that cannot be decoded gets an error reply, never silence.
     let reply = c.request("t.lookup", b"\x93garbage".to_vec().into()).await.unwrap();
@@ -114,7 +119,7 @@ async fn bad_input_is_counted_and_nothing_else_is_lost() {
 
     // Event ids 0 and 2 with the bad one between: a gap, so the worker is stale but its blocks are in.
     expect_matches(&c, &by_hashes(&[7, 8, 9]), vec![entry(3, 3, true)]).await;
-    assert!(lookup(&c, &by_hashes(&[7])).await != LookupResponse::Matches { matches: vec![] });
+    assert!(lookup(&c, &by_hashes(&[7])).await != answer(vec![]));
     assert_eq!(d.metric("kvindex_decode_failures_total{reason=\"not_msgpack\"}").await, 1.0);
     assert_eq!(d.metric("kvindex_decode_failures_total{reason=\"bad_batch\"}").await, 1.0);
     assert_eq!(d.metric("kvindex_decode_failures_total{reason=\"bad_subject\"}").await, 1.0);
@@ -177,7 +182,7 @@ async fn duplicates_unplaceable_stores_and_new_epochs() {
     publish(&c, 6, &batch(6, 1, vec![stored(0, None, &chain(70, &[8, 9]))])).await;
     publish(&c, 6, &batch(6, 1, vec![stored(1, Some(61), &chain(62, &[3]))])).await;
     expect_matches(&c, &by_hashes(&[1, 2, 3]), vec![entry(6, 3, false)]).await;
-    assert_eq!(lookup(&c, &by_hashes(&[8])).await, LookupResponse::Matches { matches: vec![] });
+    assert_eq!(lookup(&c, &by_hashes(&[8])).await, answer(vec![]));
     assert_eq!(d.metric("kvindex_duplicate_events_total").await, 1.0);
 
     // A store under a parent the worker does not hold cannot be placed: counted, worker stale.
@@ -188,7 +193,7 @@ async fn duplicates_unplaceable_stores_and_new_epochs() {
     // The publisher restarts (new epoch): everything it held is gone, and it starts clean.
     publish(&c, 6, &batch(6, 2, vec![stored(0, None, &chain(90, &[5]))])).await;
     expect_matches(&c, &by_hashes(&[5]), vec![entry(6, 1, false)]).await;
-    assert_eq!(lookup(&c, &by_hashes(&[1])).await, LookupResponse::Matches { matches: vec![] });
+    assert_eq!(lookup(&c, &by_hashes(&[1])).await, answer(vec![]));
     assert_eq!(d.metric("kvindex_epoch_changes_total").await, 1.0);
     // Host-tier blocks are counted, never matched.
     let host =
@@ -199,7 +204,7 @@ async fn duplicates_unplaceable_stores_and_new_epochs() {
     })
     .await
     .is_some());
-    assert_eq!(lookup(&c, &by_hashes(&[33])).await, LookupResponse::Matches { matches: vec![] });
+    assert_eq!(lookup(&c, &by_hashes(&[33])).await, answer(vec![]));
     // The block offloaded to host memory, then evicted there: the device copy stays.
     let host_evict = KvEvent { event_id: 2, data: Event::Removed { hashes: vec![BlockHash(90)], tier: Tier::Host } };
     publish(&c, 6, &batch(6, 2, vec![host_evict])).await;

@@ -3,10 +3,22 @@
 use super::State;
 use async_nats::Client;
 use futures::StreamExt;
-use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry};
+use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, WorkerRef};
 use kvindex_core::index::{KvIndex, MatchOptions};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Matches in an answer unless the request says otherwise: deepest first, so a router that
+/// picks among the best never misses one.
+const DEFAULT_MAX_MATCHES: usize = 64;
+/// Upper bound of one encoded match or stale worker, and of the answer's envelope (bytes).
+const ENTRY_BYTES: usize = 64;
+
+/// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
+fn entries_that_fit(max_payload: usize) -> usize {
+    max_payload.saturating_sub(ENTRY_BYTES) / ENTRY_BYTES
+}
 
 /// Answers the lookups of one queue subscriber until told to stop; then takes no new ones.
 /// The answer in progress is finished before the task returns.
@@ -29,16 +41,25 @@ pub(super) async fn serve_lookups<I: KvIndex>(
     let _ = lookups.unsubscribe().await;
 }
 
-/// Answers one lookup request; an undecodable request gets an `error` reply.
+/// Answers one lookup request; an undecodable request gets an `error` reply. The answer is
+/// bounded: at most `max_matches` matches and, with the stale workers, never more than one
+/// NATS message holds.
 async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: async_nats::Message) {
     let start = Instant::now();
+    let max_payload = match client.server_info().max_payload {
+        0 => 1 << 20,
+        n => n,
+    };
     let (resp, ok) = match LookupRequest::decode(&msg.payload) {
         Ok(req) => {
-            let query = req.local_hashes();
+            let room = entries_that_fit(max_payload);
+            let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
+            let query = req.local_hashes(state.cfg.max_depth as usize);
             let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
-            let matches = index
-                .find_matches(&query, &opts)
-                .into_iter()
+            let mut found = index.find_matches(&query, &opts);
+            found.truncate(limit);
+            let matches: Vec<MatchEntry> = found
+                .iter()
                 .map(|m| MatchEntry {
                     worker_id: m.worker.worker_id,
                     dp_rank: m.worker.dp_rank,
@@ -46,7 +67,8 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
                     stale: state.stale.contains_key(&m.worker),
                 })
                 .collect();
-            (LookupResponse::Matches { matches }, true)
+            let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());
+            (LookupResponse::Matches { matches, stale_workers }, true)
         }
         Err(error) => {
             state.log.warn("bad_lookup", || format!("lookup request rejected: {error}"));
@@ -55,6 +77,7 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
     };
     if let Some(reply) = msg.reply {
         if let Err(e) = client.publish(reply, resp.encode().into()).await {
+            state.metrics.lookup_reply_failures.inc();
             state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
         }
     }
@@ -63,4 +86,49 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: asyn
         if ok { (&hot.lookups_ok, &hot.lookup_duration_ok) } else { (&hot.lookups_error, &hot.lookup_duration_error) };
     count.inc();
     duration.observe(start.elapsed().as_secs_f64());
+}
+
+/// Stale workers (within the request's worker filter) that are not among the matches, at
+/// most `room`.
+fn stale_without_match(
+    state: &State,
+    found: &[kvindex_core::WorkerMatch],
+    filter: Option<&[u64]>,
+    room: usize,
+) -> Vec<WorkerRef> {
+    if state.stale.is_empty() || room == 0 {
+        return Vec::new();
+    }
+    let matched: HashSet<_> = found.iter().map(|m| m.worker).collect();
+    let allowed: Option<HashSet<u64>> = filter.map(|f| f.iter().copied().collect());
+    let mut out: Vec<WorkerRef> = state
+        .stale
+        .iter()
+        .map(|e| *e.key())
+        .filter(|w| !matched.contains(w) && allowed.as_ref().is_none_or(|a| a.contains(&w.worker_id)))
+        .take(room)
+        .map(|w| WorkerRef { worker_id: w.worker_id, dp_rank: w.dp_rank })
+        .collect();
+    out.sort_unstable_by_key(|w| (w.worker_id, w.dp_rank));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvindex_client::protocol::LookupResponse;
+
+    #[test]
+    fn a_full_answer_fits_in_one_message() {
+        for max_payload in [4096usize, 1 << 20, 8 << 20] {
+            let n = entries_that_fit(max_payload);
+            let widest = MatchEntry { worker_id: u64::MAX, dp_rank: u32::MAX, blocks: u32::MAX, stale: true };
+            let stale = WorkerRef { worker_id: u64::MAX, dp_rank: u32::MAX };
+            for split in [0, n / 2, n] {
+                let answer =
+                    LookupResponse::Matches { matches: vec![widest.clone(); split], stale_workers: vec![stale; n - split] };
+                assert!(answer.encode().len() <= max_payload, "{split} of {n} entries overflow {max_payload}");
+            }
+        }
+    }
 }

@@ -181,7 +181,7 @@ pub async fn ask(client: &async_nats::Client, subject: &str, q: &[u64]) -> Optio
         .ok()?
         .ok()?;
     match rmp_serde::from_slice(&reply.payload).ok()? {
-        LookupResponse::Matches { mut matches } => {
+        LookupResponse::Matches { mut matches, .. } => {
             matches.sort_by(|a: &MatchEntry, b: &MatchEntry| b.blocks.cmp(&a.blocks).then(a.worker_id.cmp(&b.worker_id)));
             Some(matches)
         }

@@ -23,6 +23,6 @@ pub mod publisher;
 
 pub use error::ClientError;
 pub use kvindex_core as core;
-pub use lookup::{LookupClient, Query};
-pub use protocol::MatchEntry;
+pub use lookup::{Answer, LookupClient, Query};
+pub use protocol::{MatchEntry, WorkerRef};
 pub use publisher::{Publisher, PublisherConfig};

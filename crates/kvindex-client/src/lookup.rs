@@ -8,14 +8,15 @@
 //! let nats = async_nats::connect("nats://127.0.0.1:4222").await.map_err(|e| kvindex_client::ClientError::Nats(e.to_string()))?;
 //! let lookups = LookupClient::new(nats, "kv").with_timeout(Duration::from_millis(50));
 //! let tokens: Vec<u32> = (0..1024).collect();
-//! for m in lookups.lookup(&Query::tokens(&tokens, 16)).await? {
+//! let answer = lookups.lookup(&Query::tokens(&tokens, 16)).await?;
+//! for m in &answer.matches {
 //!     println!("worker {} rank {}: {} blocks{}", m.worker_id, m.dp_rank, m.blocks, if m.stale { " (stale)" } else { "" });
 //! }
 //! # Ok(()) }
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry};
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, WorkerRef};
 use async_nats::{Client, RequestErrorKind, Subject};
 use kvindex_core::LocalHash;
 use std::time::Duration;
@@ -63,6 +64,30 @@ impl Query {
         self.request.max_blocks = Some(n);
         self
     }
+
+    /// At most `n` matches, deepest first (kvindex's default is 64).
+    pub fn max_matches(mut self, n: u32) -> Query {
+        self.request.max_matches = Some(n);
+        self
+    }
+}
+
+/// kvindex's answer to one lookup.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Answer {
+    /// Workers holding at least the request's first block, deepest first, each with its depth
+    /// in blocks and whether its state is being resynchronised (`stale`: its depth may be out
+    /// of date).
+    pub matches: Vec<MatchEntry>,
+    /// Stale workers that match nothing: they may hold the prefix without kvindex knowing yet.
+    pub stale_workers: Vec<WorkerRef>,
+}
+
+impl Answer {
+    /// The deepest match that is not stale, if any.
+    pub fn best(&self) -> Option<&MatchEntry> {
+        self.matches.iter().find(|m| !m.stale)
+    }
 }
 
 /// Asks kvindex over NATS request-reply on `{prefix}.lookup`. Cheap to clone; share one.
@@ -89,10 +114,8 @@ impl LookupClient {
         self
     }
 
-    /// The workers holding at least the request's first block, deepest match first, each with
-    /// its depth in blocks and whether its state is being resynchronised (`stale`: its depth
-    /// may be out of date).
-    pub async fn lookup(&self, query: &Query) -> Result<Vec<MatchEntry>, ClientError> {
+    /// Which workers hold the longest prefix of the query: see [`Answer`].
+    pub async fn lookup(&self, query: &Query) -> Result<Answer, ClientError> {
         let payload = rmp_serde::to_vec_named(&query.request).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
         let asked = self.client.request(self.subject.clone(), payload.into());
         let reply = match tokio::time::timeout(self.timeout, asked).await {
@@ -107,7 +130,7 @@ impl LookupClient {
             Ok(Ok(m)) => m,
         };
         match rmp_serde::from_slice::<LookupResponse>(&reply.payload) {
-            Ok(LookupResponse::Matches { matches }) => Ok(matches),
+            Ok(LookupResponse::Matches { matches, stale_workers }) => Ok(Answer { matches, stale_workers }),
             Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
             Err(e) => Err(ClientError::BadAnswer(e.to_string())),
         }

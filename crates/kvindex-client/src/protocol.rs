@@ -612,6 +612,10 @@ pub struct LookupRequest {
     /// Only the first `max_blocks` blocks are matched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_blocks: Option<u64>,
+    /// At most this many matches, deepest first (kvindex's default: 64; never more than fit
+    /// in one NATS message).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_matches: Option<u32>,
 }
 
 /// A 64-bit hash sent as an unsigned or a signed (two's complement) msgpack integer.
@@ -654,12 +658,15 @@ impl LookupRequest {
         }
     }
 
-    /// The local hashes to match.
-    pub fn local_hashes(&self) -> Vec<LocalHash> {
+    /// The local hashes to match, at most `limit` (blocks past the index's depth limit can
+    /// never match, so they are not hashed).
+    pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
         match (&self.block_hashes, &self.tokens) {
-            (Some(h), _) => h.iter().map(|&h| LocalHash(h)).collect(),
+            (Some(h), _) => h.iter().take(limit).map(|&h| LocalHash(h)).collect(),
             (None, Some(t)) => {
-                local_hashes(t, self.block_size.unwrap_or(0) as usize, self.lora_name.as_deref(), self.salt.as_deref())
+                let bs = self.block_size.unwrap_or(0) as usize;
+                let t = &t[..t.len().min(limit.saturating_mul(bs))];
+                local_hashes(t, bs, self.lora_name.as_deref(), self.salt.as_deref())
             }
             (None, None) => Vec::new(),
         }
@@ -679,14 +686,28 @@ pub struct MatchEntry {
     pub stale: bool,
 }
 
+/// A worker and rank, as named in a lookup answer's `stale_workers`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct WorkerRef {
+    /// The engine instance.
+    pub worker_id: u64,
+    /// Its data-parallel rank.
+    #[serde(default)]
+    pub dp_rank: u32,
+}
+
 /// The answer to a lookup: matches deepest first, or an error.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
 pub enum LookupResponse {
     /// Workers holding at least the first block, deepest first.
     Matches {
-        /// One entry per matching worker.
+        /// One entry per matching worker, deepest first.
         matches: Vec<MatchEntry>,
+        /// Workers being resynchronised that match nothing: a worker that lost its blocks
+        /// would otherwise just be absent, and a partial answer would look like a true one.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        stale_workers: Vec<WorkerRef>,
     },
     /// Why the request could not be answered.
     Error {
@@ -906,7 +927,7 @@ mod tests {
         let by_hash = LookupRequest { block_hashes: Some(vec![1, 2]), workers: Some(vec![4]), ..Default::default() };
         let back = LookupRequest::decode(&rmp_serde::to_vec_named(&by_hash).unwrap()).unwrap();
         assert_eq!(back, by_hash);
-        assert_eq!(back.local_hashes(), vec![LocalHash(1), LocalHash(2)]);
+        assert_eq!(back.local_hashes(usize::MAX), vec![LocalHash(1), LocalHash(2)]);
 
         let tokens: Vec<u32> = (0..40).collect();
         let by_tokens = LookupRequest {
@@ -916,8 +937,8 @@ mod tests {
             ..Default::default()
         };
         let back = LookupRequest::decode(&rmp_serde::to_vec_named(&by_tokens).unwrap()).unwrap();
-        assert_eq!(back.local_hashes(), local_hashes(&tokens, 16, Some("a"), None));
-        assert_eq!(back.local_hashes().len(), 2);
+        assert_eq!(back.local_hashes(usize::MAX), local_hashes(&tokens, 16, Some("a"), None));
+        assert_eq!(back.local_hashes(usize::MAX).len(), 2);
 
         for bad in [
             LookupRequest::default(),
@@ -932,10 +953,17 @@ mod tests {
 
     #[test]
     fn responses_are_msgpack_maps() {
-        let ok = LookupResponse::Matches { matches: vec![MatchEntry { worker_id: 3, dp_rank: 0, blocks: 9, stale: false }] };
+        let one = vec![MatchEntry { worker_id: 3, dp_rank: 0, blocks: 9, stale: false }];
+        let ok = LookupResponse::Matches { matches: one.clone(), stale_workers: vec![] };
         let v = rmpv::decode::read_value(&mut &ok.encode()[..]).unwrap();
         let matches = field(v.as_map().unwrap(), "matches").unwrap().as_array().unwrap();
         assert_eq!(field(matches[0].as_map().unwrap(), "blocks").unwrap().as_u64(), Some(9));
+        assert!(field(v.as_map().unwrap(), "stale_workers").is_none(), "left out when empty, as before the field");
+        let with_stale = LookupResponse::Matches { matches: one, stale_workers: vec![WorkerRef { worker_id: 4, dp_rank: 1 }] };
+        let v = rmpv::decode::read_value(&mut &with_stale.encode()[..]).unwrap();
+        let stale = field(v.as_map().unwrap(), "stale_workers").unwrap().as_array().unwrap();
+        assert_eq!(field(stale[0].as_map().unwrap(), "dp_rank").unwrap().as_u64(), Some(1));
+        assert_eq!(rmp_serde::from_slice::<LookupResponse>(&with_stale.encode()).unwrap(), with_stale);
         let err = LookupResponse::Error { error: "nope".into() };
         let v = rmpv::decode::read_value(&mut &err.encode()[..]).unwrap();
         assert_eq!(field(v.as_map().unwrap(), "error").unwrap().as_str(), Some("nope"));
