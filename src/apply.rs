@@ -17,8 +17,12 @@ use std::thread::JoinHandle;
 /// Called on the apply thread after each batch: the worker, what the batch did, its tag.
 pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64) + Send + Sync>;
 
+/// Work to run on a worker's apply thread once its queued events are applied.
+pub type Then = Box<dyn FnOnce() + Send>;
+
 enum Command {
     Apply { worker: WorkerId, events: Vec<Event>, tag: u64 },
+    Then(Then),
     RemoveWorker(WorkerId),
     Flush(Sender<()>),
 }
@@ -95,6 +99,20 @@ impl<I: KvIndex> ApplyPool<I> {
             Ok(()) => Ok(()),
             Err(TrySendError::Full(Command::Apply { worker, events, .. })) => Err(QueueFull { worker, events }),
             Err(_) => Ok(()),
+        }
+    }
+
+    /// Runs `f` on `worker`'s apply thread after the events queued for it so far, waiting
+    /// while the queue is full.
+    pub fn then(&self, worker: WorkerId, f: Then) {
+        let _ = self.senders[self.thread_of(worker)].send(Command::Then(f));
+    }
+
+    /// As [`ApplyPool::then`], or hands `f` back if the queue is full.
+    pub fn try_then(&self, worker: WorkerId, f: Then) -> Result<(), Then> {
+        match self.senders[self.thread_of(worker)].try_send(Command::Then(f)) {
+            Err(TrySendError::Full(Command::Then(f))) => Err(f),
+            _ => Ok(()),
         }
     }
 
@@ -191,6 +209,7 @@ fn apply_loop<I: KvIndex>(
                     total.lock().add(&out);
                 }
             }
+            Command::Then(f) => f(),
             Command::Flush(done) => {
                 let _ = done.send(());
             }

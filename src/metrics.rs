@@ -20,6 +20,7 @@ pub struct Metrics {
     pub refused_events: IntCounterVec,
     pub too_deep_blocks: IntCounter,
     pub lookup_reply_failures: IntCounter,
+    pub lookup_member: IntGauge,
     pub dead_apply_threads: IntGauge,
     pub non_device_blocks: IntCounterVec,
     pub resync_requests: IntCounterVec,
@@ -142,6 +143,11 @@ impl Metrics {
                 "Stored blocks whose parent the worker does not hold.",
             ),
             unknown_removes: counter(&r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
+            lookup_member: gauge(
+                &r,
+                "kvindex_lookup_member",
+                "1 while this replica is in the lookup queue group (ready: connected and rebuilt).",
+            ),
             lookup_reply_failures: counter(
                 &r,
                 "kvindex_lookup_reply_failures_total",

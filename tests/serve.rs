@@ -354,18 +354,22 @@ async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
     let mut open = batch(1, 1, vec![KvEvent { event_id: 0, data: Event::Cleared }, stored(1, None, &chain(100, &[1, 2]))]);
     open.header.snapshot = true;
     publish(&c, 1, &open).await;
-    // Its state is partial while the snapshot is open: the worker is flagged stale.
-    expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(1, 2, true)]).await;
     tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
     let (code, body) = support::http_get(&d.metrics_addr, "/readyz").await.unwrap();
     assert_eq!((code, body.trim()), (503, "rebuilding the index from publishers' snapshots"));
     assert_eq!(d.metric("kvindex_ready").await, 0.0);
+    // Rebuilding, it is not in the lookup queue group: a router hears "no responders" at once
+    // rather than an answer from a half-built index.
+    let asked = c.request("t.lookup", rmp_serde::to_vec_named(&by_hashes(&[1])).unwrap().into()).await;
+    assert!(matches!(asked.as_ref().map_err(|e| e.kind()), Err(async_nats::RequestErrorKind::NoResponders)), "{asked:?}");
 
     // Ready at ready_timeout all the same, and the log says why.
     d.wait_ready(10).await;
     assert!(started.elapsed() >= std::time::Duration::from_secs(3));
     assert!(d.log_text().contains("ready after ready_timeout"), "log:\n{}", d.log_text());
     assert_eq!(d.metric("kvindex_snapshots_total{result=\"begun\"}").await, 1.0);
+    // Its state is partial while the snapshot is open: the worker is flagged stale.
+    expect_matches(&c, &by_hashes(&[1, 2]), vec![entry(1, 2, true)]).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,13 +54,17 @@ pub(super) async fn http_server<I: KvIndex>(
         .route(
             "/readyz",
             get(move || {
-                let ready = state.ready.load(Ordering::Relaxed);
+                let ready = *state.ready.borrow();
                 let connected = state.connected.load(Ordering::Relaxed);
+                let member = state.member.load(Ordering::Relaxed);
                 async move {
-                    match (ready, connected) {
-                        (true, _) => (StatusCode::OK, "ready\n"),
-                        (false, false) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n"),
-                        (false, true) => (StatusCode::SERVICE_UNAVAILABLE, "rebuilding the index from publishers' snapshots\n"),
+                    match (ready, connected, member) {
+                        (true, _, true) => (StatusCode::OK, "ready: answering lookups\n"),
+                        (true, _, false) => (StatusCode::SERVICE_UNAVAILABLE, "rebuilt; joining the lookup queue group\n"),
+                        (false, false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n"),
+                        (false, true, _) => {
+                            (StatusCode::SERVICE_UNAVAILABLE, "rebuilding the index from publishers' snapshots\n")
+                        }
                     }
                 }
             }),

@@ -2,11 +2,12 @@
 //! (duplicates, gaps, epochs, snapshots), and the hand-off to the apply pool.
 
 use super::State;
-use crate::apply::ApplyPool;
+use crate::apply::{ApplyPool, Then};
 use kvindex_client::protocol::{decode_batch, EventBatch};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
 use kvindex_core::{Event, Tier};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Where a worker's event sequence stands.
@@ -20,7 +21,7 @@ pub(super) struct Cursor {
 }
 
 /// Applies one message from `{prefix}.events.{worker_id}`.
-pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
+pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
     let m = &state.metrics;
     let Some(subject_id) = subject.strip_prefix(state.events_prefix.as_str()).and_then(canonical_id) else {
         state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id in canonical decimal"));
@@ -41,6 +42,8 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         return;
     }
     let w = WorkerId::new(h.worker_id, h.dp_rank);
+    // A stale flag to clear once this batch is applied, with the generation it had here.
+    let mut clear_after = None;
     let mut out = Vec::with_capacity(events.len() + 1);
     let mut cursors = state.cursors.lock();
     let now = Instant::now();
@@ -60,7 +63,8 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
         *c = Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false };
         out.push(Event::Cleared);
-        state.clear_stale(w);
+        // Whole again once the `cleared` is applied (see `clear_after` below).
+        clear_after = state.stale.get(&w).map(|r| r.generation);
     }
     let mut midstream = false;
     let mut gap = false;
@@ -154,7 +158,9 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
         state.mark_stale(w);
     } else if snapshot_done {
-        state.clear_stale(w);
+        // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
+        // after this batch, unless something marks it stale again meanwhile.
+        clear_after = state.stale.get(&w).map(|r| r.generation);
     } else if opened && !h.snapshot_end {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
@@ -164,6 +170,13 @@ pub(super) fn ingest<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &s
         if let Err(full) = pool.try_apply(w, out, h.ts_ns) {
             // Backpressure: wait for the worker's apply thread rather than drop anything.
             tokio::task::block_in_place(|| pool.apply(full.worker, full.events, h.ts_ns));
+        }
+    }
+    if let Some(generation) = clear_after {
+        let st = state.clone();
+        let clear: Then = Box::new(move || st.clear_stale_if(w, generation));
+        if let Err(clear) = pool.try_then(w, clear) {
+            tokio::task::block_in_place(|| pool.then(w, clear));
         }
     }
 }

@@ -1,11 +1,14 @@
-//! Routers' lookups: one queue subscriber per core, each answering in turn.
+//! Routers' lookups: one queue subscriber per core, each answering in turn, and only while
+//! this replica is ready: NATS then sends every lookup to replicas whose index is whole.
 
 use super::State;
+use crate::apply::ApplyPool;
 use async_nats::Client;
 use futures::StreamExt;
 use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, WorkerRef};
 use kvindex_core::index::{KvIndex, MatchOptions};
 use std::collections::HashSet;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,6 +21,65 @@ const ENTRY_BYTES: usize = 64;
 /// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
 fn entries_that_fit(max_payload: usize) -> usize {
     max_payload.saturating_sub(ENTRY_BYTES) / ENTRY_BYTES
+}
+
+/// Keeps this replica in the `kvindex` lookup queue group exactly while it is ready (connected
+/// and rebuilt). Joining waits for everything received so far to be applied; leaving (NATS
+/// lost, a rebuild begun) unsubscribes, so NATS routes lookups to the other replicas, or
+/// routers get "no responders" at once rather than answers from a half-built index.
+pub(super) async fn lookup_membership<I: KvIndex>(
+    client: Client,
+    state: Arc<State>,
+    index: Arc<I>,
+    pool: Arc<ApplyPool<I>>,
+    subscribers: usize,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let subject = format!("{}.lookup", state.cfg.prefix);
+    let mut ready = state.ready.subscribe();
+    loop {
+        tokio::select! {
+            r = async { ready.wait_for(|r| *r).await.map(|_| ()) } => if r.is_err() { return },
+            _ = stop.changed() => return,
+        }
+        let flushing = pool.clone();
+        let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
+        let mut subs = Vec::with_capacity(subscribers);
+        for _ in 0..subscribers {
+            match client.queue_subscribe(subject.clone(), "kvindex".into()).await {
+                Ok(sub) => subs.push(sub),
+                Err(e) => state.log.warn("lookup_subscribe", || format!("cannot subscribe to {subject}: {e}")),
+            }
+        }
+        if subs.is_empty() {
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+            continue;
+        }
+        // The server has the subscriptions once a flush returns: only then say so.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), client.flush()).await;
+        state.member.store(true, Ordering::Relaxed);
+        state.metrics.lookup_member.set(1);
+        tracing::info!(subscribers = subs.len(), "answering lookups: joined the kvindex queue group");
+        let (leave, left) = tokio::sync::watch::channel(false);
+        let tasks: Vec<_> = subs
+            .into_iter()
+            .map(|sub| tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), index.clone(), left.clone())))
+            .collect();
+        let stopping = tokio::select! {
+            _ = async { ready.wait_for(|r| !*r).await.map(|_| ()) } => false,
+            _ = stop.changed() => true,
+        };
+        state.member.store(false, Ordering::Relaxed);
+        let _ = leave.send(true);
+        for t in tasks {
+            let _ = t.await;
+        }
+        state.metrics.lookup_member.set(0);
+        if stopping {
+            return;
+        }
+        tracing::info!("left the kvindex queue group until the index is whole again");
+    }
 }
 
 /// Answers the lookups of one queue subscriber until told to stop; then takes no new ones.
@@ -38,7 +100,8 @@ pub(super) async fn serve_lookups<I: KvIndex>(
             },
         }
     }
-    let _ = lookups.unsubscribe().await;
+    // Bounded: with NATS away, the unsubscription cannot reach the server (and need not).
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(1), lookups.unsubscribe()).await;
 }
 
 /// Answers one lookup request; an undecodable request gets an `error` reply. The answer is

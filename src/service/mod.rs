@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use recovery::{Readiness, Resync};
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use tokio::sync::mpsc;
@@ -68,8 +68,14 @@ struct State {
     log: RateLimitedLog,
     connected: AtomicBool,
     readiness: Mutex<Readiness>,
-    /// Connected and rebuilt: what `/readyz` says.
-    ready: AtomicBool,
+    /// Connected and rebuilt: what `/readyz` says, and when this replica is in the lookup
+    /// queue group.
+    ready: tokio::sync::watch::Sender<bool>,
+    /// In the lookup queue group, the server acknowledging the subscriptions.
+    member: AtomicBool,
+    /// Bumped whenever a worker is marked stale, so that a stale flag cleared after its
+    /// snapshot is applied is not one set again meanwhile.
+    stale_generation: AtomicU64,
 }
 
 impl State {
@@ -83,10 +89,14 @@ impl State {
     /// until a snapshot completes), so a publisher that keeps sending what cannot be placed
     /// is not asked again on every batch.
     fn mark_stale(&self, w: WorkerId) {
-        if let dashmap::mapref::entry::Entry::Vacant(v) = self.stale.entry(w) {
-            v.insert(Resync::default());
-            self.metrics.stale_workers.inc();
-            let _ = self.resync_tx.send(w);
+        let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
+        match self.stale.entry(w) {
+            dashmap::mapref::entry::Entry::Vacant(v) => {
+                v.insert(Resync { generation, ..Resync::default() });
+                self.metrics.stale_workers.inc();
+                let _ = self.resync_tx.send(w);
+            }
+            dashmap::mapref::entry::Entry::Occupied(mut o) => o.get_mut().generation = generation,
         }
     }
 
@@ -94,8 +104,16 @@ impl State {
     /// only if the snapshot has not ended `resync_interval` from now.
     fn mark_snapshotting(&self, w: WorkerId) {
         if let dashmap::mapref::entry::Entry::Vacant(v) = self.stale.entry(w) {
-            v.insert(Resync { asked: Some(Instant::now()), attempts: 1 });
+            let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
+            v.insert(Resync { asked: Some(Instant::now()), attempts: 1, generation });
             self.metrics.stale_workers.inc();
+        }
+    }
+
+    /// Clears `w`'s stale flag if nothing marked it stale again since `generation` was read.
+    fn clear_stale_if(&self, w: WorkerId, generation: u64) {
+        if self.stale.remove_if(&w, |_, r| r.generation == generation).is_some() {
+            self.metrics.stale_workers.dec();
         }
     }
 
@@ -175,7 +193,9 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },
         connected: AtomicBool::new(false),
         readiness: Mutex::new(Readiness::new()),
-        ready: AtomicBool::new(false),
+        ready: tokio::sync::watch::Sender::new(false),
+        stale_generation: AtomicU64::new(0),
+        member: AtomicBool::new(false),
         events_prefix: events_prefix(&cfg),
         cfg: cfg.clone(),
     });
@@ -218,15 +238,6 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     let (lookup_events, _ignored) = mpsc::unbounded_channel();
     let lookup_client = connect(&cfg, lookup_events).await?;
     let mut events = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
-    // One queue subscriber per core: NATS spreads lookups over them, each answers in turn.
-    let mut lookups = Vec::new();
-    for _ in 0..std::thread::available_parallelism().map_or(2, |n| n.get()) {
-        let sub = lookup_client
-            .queue_subscribe(format!("{}.lookup", cfg.prefix), "kvindex".into())
-            .await
-            .context("subscribing to lookups")?;
-        lookups.push(sub);
-    }
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
@@ -248,11 +259,18 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         tokio::spawn(recovery::readiness_loop(state.clone())),
         tokio::spawn(http::http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
+    // In the lookup queue group only while ready: a replica rebuilding its index (after a
+    // start or a reconnect) leaves lookups to the complete ones.
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
-    let lookup_tasks: Vec<_> = lookups
-        .into_iter()
-        .map(|sub| tokio::spawn(lookup::serve_lookups(lookup_client.clone(), sub, state.clone(), index.clone(), stopped.clone())))
-        .collect();
+    let subscribers = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let membership = tokio::spawn(lookup::lookup_membership(
+        lookup_client.clone(),
+        state.clone(),
+        index.clone(),
+        pool.clone(),
+        subscribers,
+        stopped,
+    ));
 
     tokio::pin!(shutdown);
     let mut watchdog = tokio::time::interval(Duration::from_secs(1));
@@ -280,9 +298,7 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     let _ = stop_lookups.send(true);
     let drain = async {
         let _ = events.unsubscribe().await;
-        for task in lookup_tasks {
-            let _ = task.await;
-        }
+        let _ = membership.await;
         let flushing = pool.clone();
         let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
         let _ = client.flush().await;

@@ -18,6 +18,8 @@ use tokio::sync::mpsc;
 pub(super) struct Resync {
     pub(super) asked: Option<Instant>,
     pub(super) attempts: u32,
+    /// When it was last marked stale (see `State::stale_generation`).
+    pub(super) generation: u64,
 }
 
 /// Whether the index has been rebuilt since the last broadcast resync.
@@ -45,7 +47,7 @@ impl State {
     pub(super) fn begin_rebuild(&self) {
         let mut r = self.readiness.lock();
         *r = Readiness::new();
-        self.ready.store(false, Ordering::Relaxed);
+        self.ready.send_replace(false);
         self.metrics.ready.set(0);
     }
 
@@ -91,7 +93,7 @@ impl State {
             }
         }
         let ready = connected && r.ready;
-        self.ready.store(ready, Ordering::Relaxed);
+        self.ready.send_if_modified(|now| std::mem::replace(now, ready) != ready);
         self.metrics.ready.set(ready as i64);
     }
 }
