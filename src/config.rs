@@ -33,6 +33,8 @@ pub struct Config {
     pub max_depth: u32,
     /// Most (worker, dp rank) pairs tracked at once.
     pub max_workers: u32,
+    /// Most dp ranks tracked per worker id: one publisher cannot take every worker slot.
+    pub max_dp_ranks: u32,
     /// Seconds before a stale worker that has not resynced is asked again; the wait doubles
     /// with each unanswered request, up to `resync_max_interval`.
     pub resync_interval: u64,
@@ -75,6 +77,7 @@ impl Default for Config {
             jump: index.jump,
             max_depth: index.max_depth,
             max_workers: index.max_workers,
+            max_dp_ranks: 256,
             resync_interval: 1,
             resync_max_interval: 30,
             ready_settle_ms: 500,

@@ -87,7 +87,7 @@ async fn a_full_registry_is_counted_and_lookups_take_signed_hashes() {
     }
     assert!(
         eventually(10, || async {
-            (d.metric("kvindex_refused_events_total{reason=\"registry_full\"}").await == 1.0).then_some(())
+            (d.metric("kvindex_refused_events_total{reason=\"max_workers\"}").await == 1.0).then_some(())
         })
         .await
         .is_some(),
@@ -186,7 +186,9 @@ async fn answers_are_bounded_deepest_first_and_name_stale_workers_without_a_matc
     let req = LookupRequest { block_hashes: Some(vec![1, 2]), ..Default::default() };
     let full = eventually(10, || async {
         match lookup(&c, &req).await {
-            LookupResponse::Matches { matches, stale_workers } if !stale_workers.is_empty() && matches.len() == 64 => {
+            LookupResponse::Matches { matches, stale_workers }
+                if !stale_workers.is_empty() && matches.len() == 64 && matches.iter().any(|m| m.blocks == 2) =>
+            {
                 Some((matches, stale_workers))
             }
             _ => None,
@@ -204,5 +206,33 @@ async fn answers_are_bounded_deepest_first_and_name_stale_workers_without_a_matc
     let filtered = LookupRequest { workers: Some(vec![1, 2]), ..req };
     let LookupResponse::Matches { matches, stale_workers } = lookup(&c, &filtered).await else { panic!("refused") };
     assert_eq!((matches.len(), stale_workers.len()), (2, 0));
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_publisher_cannot_take_every_worker_slot_with_dp_ranks() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |cfg| cfg.max_dp_ranks = 4).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    // Worker 9 sends batches for 200 dp ranks on its own subject.
+    for rank in 0..200u32 {
+        let mut b = batch(9, 1, vec![KvEvent::stored(0, None, &[(90, 1)])]);
+        b.header.dp_rank = rank;
+        c.publish("t.events.9", encode_batch(&b).into()).await.unwrap();
+    }
+    c.flush().await.unwrap();
+    // An honest worker arriving afterwards is indexed.
+    send(&c, "t.events.10", &batch(10, 1, vec![KvEvent::stored(0, None, &[(100, 1)])])).await;
+    assert!(
+        eventually(10, || async {
+            (d.metric("kvindex_refused_events_total{reason=\"max_dp_ranks\"}").await == 196.0).then_some(())
+        })
+        .await
+        .is_some(),
+        "ranks past the limit are refused and counted"
+    );
+    let got = eventually(10, || async { Some(matches(&c, &[1]).await).filter(|m| m.len() == 5) }).await;
+    let ids: Vec<(u64, u32)> = got.expect("4 ranks of worker 9 and worker 10").iter().map(|m| (m.worker_id, m.dp_rank)).collect();
+    assert_eq!(ids, vec![(9, 0), (9, 1), (9, 2), (9, 3), (10, 0)]);
     d.stop().await.unwrap();
 }

@@ -3,11 +3,14 @@
 
 use super::State;
 use crate::apply::{ApplyPool, Then};
+use crate::config::Config;
 use kvindex_client::protocol::{decode_batch, EventBatch};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
 use kvindex_core::{Event, Tier};
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 use std::time::Instant;
 
 /// Where a worker's event sequence stands.
@@ -18,6 +21,57 @@ pub(super) struct Cursor {
     pub(super) last_seen: Instant,
     /// A snapshot opened with `cleared` and has had no gap since.
     snapshot_clean: bool,
+}
+
+/// Every worker's cursor, with what bounds them: each `(worker, dp rank)` costs state here and
+/// a slot in the index, so one publisher must not take them all.
+#[derive(Default)]
+pub(super) struct Cursors {
+    by_worker: HashMap<WorkerId, Cursor>,
+    /// dp ranks tracked per worker id.
+    ranks: HashMap<u64, u32>,
+}
+
+/// Why a new worker was not tracked; `reason()` is its metric label.
+#[derive(Clone, Copy)]
+enum Refusal {
+    /// `max_workers` (worker, dp rank) pairs are tracked already.
+    Workers,
+    /// This worker id has `max_dp_ranks` ranks tracked already.
+    DpRanks,
+}
+
+impl Cursors {
+    /// The cursor of `w`, created if the limits allow.
+    fn admit(&mut self, w: WorkerId, epoch: u64, now: Instant, cfg: &Config) -> Result<&mut Cursor, Refusal> {
+        if !self.by_worker.contains_key(&w) {
+            if self.by_worker.len() >= cfg.max_workers as usize {
+                return Err(Refusal::Workers);
+            }
+            let ranks = self.ranks.entry(w.worker_id).or_default();
+            if *ranks >= cfg.max_dp_ranks {
+                return Err(Refusal::DpRanks);
+            }
+            *ranks += 1;
+        }
+        Ok(self.by_worker.entry(w).or_insert(Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false }))
+    }
+
+    /// Forgets the workers silent for longer than `ttl`, and returns them.
+    pub(super) fn expire(&mut self, now: Instant, ttl: Duration) -> Vec<WorkerId> {
+        let gone: Vec<WorkerId> =
+            self.by_worker.iter().filter(|(_, c)| now.duration_since(c.last_seen) > ttl).map(|(w, _)| *w).collect();
+        for w in &gone {
+            self.by_worker.remove(w);
+            if let Some(n) = self.ranks.get_mut(&w.worker_id) {
+                *n -= 1;
+                if *n == 0 {
+                    self.ranks.remove(&w.worker_id);
+                }
+            }
+        }
+        gone
+    }
 }
 
 /// Applies one message from `{prefix}.events.{worker_id}`.
@@ -47,7 +101,14 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     let mut out = Vec::with_capacity(events.len() + 1);
     let mut cursors = state.cursors.lock();
     let now = Instant::now();
-    let c = cursors.entry(w).or_insert(Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false });
+    let c = match cursors.admit(w, h.epoch, now, &state.cfg) {
+        Ok(c) => c,
+        Err(refusal) => {
+            drop(cursors);
+            refuse(state, w, refusal, events.len());
+            return;
+        }
+    };
     if h.epoch < c.epoch {
         // A batch of the process this publisher replaced, delivered late: its events describe
         // a cache that no longer exists.
@@ -179,6 +240,19 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
             tokio::task::block_in_place(|| pool.then(w, clear));
         }
     }
+}
+
+/// Counts and logs (at a bounded rate) a batch of a worker that cannot be tracked. Lookups
+/// cannot name it (it holds nothing here); the metric and the log say who was refused.
+fn refuse(state: &State, w: WorkerId, refusal: Refusal, events: usize) {
+    let (reason, why) = match refusal {
+        Refusal::Workers => ("max_workers", format!("all {} worker slots are taken (max_workers)", state.cfg.max_workers)),
+        Refusal::DpRanks => {
+            ("max_dp_ranks", format!("worker id {} already has {} dp ranks (max_dp_ranks)", w.worker_id, state.cfg.max_dp_ranks))
+        }
+    };
+    state.metrics.refused_events.with_label_values(&[reason]).inc_by(events.max(1) as u64);
+    state.log.warn(reason, || format!("refused the batches of worker {w}: {why}"));
 }
 
 /// The worker id of an events subject: canonical decimal only (no sign, no leading zero), so

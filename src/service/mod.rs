@@ -20,7 +20,7 @@ use anyhow::Context;
 use async_nats::{Client, ConnectOptions, Event};
 use dashmap::DashMap;
 use futures::StreamExt;
-use ingest::Cursor;
+use ingest::Cursors;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::radix::RadixIndex;
@@ -61,7 +61,7 @@ struct State {
     /// `{prefix}.events.`, the part of an events subject before the worker id.
     events_prefix: String,
     metrics: Arc<Metrics>,
-    cursors: Mutex<HashMap<WorkerId, Cursor>>,
+    cursors: Mutex<Cursors>,
     /// Stale workers and the resync requests sent to each.
     stale: Arc<DashMap<WorkerId, Resync>>,
     resync_tx: mpsc::UnboundedSender<WorkerId>,
@@ -187,7 +187,7 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     let (resync_tx, resync_rx) = mpsc::unbounded_channel();
     let state = Arc::new(State {
         metrics: metrics.clone(),
-        cursors: Mutex::new(HashMap::new()),
+        cursors: Mutex::new(Cursors::default()),
         stale: Arc::new(DashMap::new()),
         resync_tx,
         log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },

@@ -214,15 +214,7 @@ pub(super) async fn ttl_loop<I: KvIndex>(state: Arc<State>, pool: Arc<ApplyPool<
     loop {
         tick.tick().await;
         let now = Instant::now();
-        let expired: Vec<WorkerId> = {
-            let mut cursors = state.cursors.lock();
-            let gone: Vec<WorkerId> =
-                cursors.iter().filter(|(_, c)| now.duration_since(c.last_seen) > ttl).map(|(w, _)| *w).collect();
-            for w in &gone {
-                cursors.remove(w);
-            }
-            gone
-        };
+        let expired = state.cursors.lock().expire(now, ttl);
         for w in expired {
             tracing::warn!(worker = %w, ttl_s = ttl.as_secs(), "worker silent past its TTL; dropping its blocks");
             state.metrics.workers_expired.inc();
