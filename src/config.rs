@@ -23,6 +23,9 @@ pub struct Config {
     pub apply_threads: usize,
     /// Batches queued per apply thread before ingest waits (backpressure).
     pub queue_capacity: usize,
+    /// Messages the events subscription buffers in kvindex's NATS client. Past it the client
+    /// drops messages (a slow consumer): every worker is then marked stale and asked to resync.
+    pub subscription_capacity: usize,
     /// Seconds without a batch (events or heartbeat) after which a worker is dropped (0: never).
     pub worker_ttl: u64,
     /// Index backend.
@@ -72,6 +75,7 @@ impl Default for Config {
             metrics_addr: "0.0.0.0:9464".into(),
             apply_threads: 0,
             queue_capacity: 1024,
+            subscription_capacity: 65536,
             worker_ttl: 30,
             backend: Backend::Positional,
             jump: index.jump,
@@ -166,6 +170,9 @@ impl Config {
         }
         if self.queue_capacity == 0 {
             return bad("queue_capacity", "must be at least 1");
+        }
+        if self.subscription_capacity == 0 {
+            return bad("subscription_capacity", "must be at least 1");
         }
         if self.jump == 0 {
             return bad("jump", "must be at least 1");

@@ -281,3 +281,36 @@ async fn a_flood_of_malformed_messages_beside_good_traffic() {
     }
     assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_past_the_subscription_capacity_is_detected_and_healed() {
+    let nats = NatsServer::start();
+    // A small client buffer and one apply thread with a one-batch queue: a burst overflows.
+    let env = [FAST, &[("SUBSCRIPTION_CAPACITY", "32"), ("QUEUE_CAPACITY", "1"), ("APPLY_THREADS", "1")]].concat();
+    let mut d = DaemonProcess::start(&nats.url(), &[], &env);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&nats.url(), "t", 4, 9).await;
+    let router = connect(&nats.url()).await;
+    fleet.run(50, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "baseline").await;
+
+    // 5,000 batches at once from a fifth worker, while the engines go on.
+    let flood = connect(&nats.url()).await;
+    let heartbeat = kvindex_client::protocol::encode_batch(&kvindex_client::protocol::EventBatch {
+        header: kvindex_client::protocol::BatchHeader { worker_id: 99, epoch: 1, next_event_id: Some(0), ..Default::default() },
+        events: vec![],
+    });
+    for _ in 0..5000 {
+        flood.publish("t.events.99", heartbeat.clone().into()).await.unwrap();
+    }
+    flood.flush().await.unwrap();
+    fleet.run(30, Duration::from_millis(2)).await;
+    let dropped = support::eventually(10, || async {
+        (d.metric("kvindex_nats_events_total{event=\"slow_consumer\"}").await >= 1.0).then_some(())
+    })
+    .await;
+    assert!(dropped.is_some(), "the burst overflowed the client buffer (or this test lost its teeth); log:\n{}", d.log_text());
+    assert!(d.metric("kvindex_resync_requests_total{scope=\"all\"}").await >= 2.0, "a broadcast after the loss");
+    converge(&router, &fleet, &mut d, "slow consumer").await;
+    assert!(d.log_text().contains("slow consumer"), "the loss is logged");
+}

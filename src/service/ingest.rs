@@ -57,6 +57,11 @@ impl Cursors {
         Ok(self.by_worker.entry(w).or_insert(Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false }))
     }
 
+    /// Every worker tracked.
+    pub(super) fn workers(&self) -> Vec<WorkerId> {
+        self.by_worker.keys().copied().collect()
+    }
+
     /// Forgets the workers silent for longer than `ttl`, and returns them.
     pub(super) fn expire(&mut self, now: Instant, ttl: Duration) -> Vec<WorkerId> {
         let gone: Vec<WorkerId> =

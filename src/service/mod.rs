@@ -110,6 +110,19 @@ impl State {
         }
     }
 
+    /// Marks `w` stale as already asked (a broadcast went out): per-worker requests follow
+    /// only if its snapshot does not come within the backoff.
+    fn mark_stale_asked(&self, w: WorkerId) {
+        let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
+        match self.stale.entry(w) {
+            dashmap::mapref::entry::Entry::Vacant(v) => {
+                v.insert(Resync { asked: Some(Instant::now()), attempts: 1, generation });
+                self.metrics.stale_workers.inc();
+            }
+            dashmap::mapref::entry::Entry::Occupied(mut o) => o.get_mut().generation = generation,
+        }
+    }
+
     /// Clears `w`'s stale flag if nothing marked it stale again since `generation` was read.
     fn clear_stale_if(&self, w: WorkerId, generation: u64) {
         if self.stale.remove_if(&w, |_, r| r.generation == generation).is_some() {
@@ -156,7 +169,11 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
 }
 
 async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::Result<Client> {
-    let mut opts = ConnectOptions::new().name("kvindex").retry_on_initial_connect().max_reconnects(None);
+    let mut opts = ConnectOptions::new()
+        .name("kvindex")
+        .retry_on_initial_connect()
+        .max_reconnects(None)
+        .subscription_capacity(cfg.subscription_capacity);
     if let Some(creds) = &cfg.nats_creds {
         opts = opts.credentials_file(creds).await.with_context(|| format!("reading nats_creds {creds}"))?;
     }

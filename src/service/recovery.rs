@@ -112,6 +112,7 @@ pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc:
     let m = &state.metrics;
     // The first connection's broadcast is sent by `run`, once the subscriptions exist.
     let mut reconnect = false;
+    let mut last_loss: Option<Instant> = None;
     while let Some(e) = rx.recv().await {
         let kind = match &e {
             Event::Connected => "connected",
@@ -139,6 +140,30 @@ pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc:
                 tracing::warn!("lost the NATS connection ({e}); reconnecting");
                 state.connected.store(false, Ordering::Relaxed);
                 m.nats_connected.set(0);
+            }
+            Event::SlowConsumer(_) => {
+                // The client dropped messages of ours: events of unknown workers are lost.
+                // Every worker is suspect: stale at once, and asked (one broadcast per
+                // resync_interval however long the burst) to send its state.
+                let every = Duration::from_secs(state.cfg.resync_interval);
+                if last_loss.is_none_or(|t| t.elapsed() >= every) {
+                    last_loss = Some(Instant::now());
+                    let workers = state.cursors.lock().workers();
+                    for w in &workers {
+                        state.mark_stale_asked(*w);
+                    }
+                    state.log.warn("slow_consumer", || {
+                        format!(
+                            "NATS dropped event batches (slow consumer; subscription_capacity {}): {} workers marked stale, asking every publisher to resync",
+                            state.cfg.subscription_capacity,
+                            workers.len()
+                        )
+                    });
+                    match client.publish(format!("{}.resync", state.cfg.prefix), bytes::Bytes::new()).await {
+                        Ok(()) => m.resync_requests.with_label_values(&["all"]).inc(),
+                        Err(e) => state.log.warn("resync_broadcast", || format!("could not broadcast a resync request: {e}")),
+                    }
+                }
             }
             other => tracing::warn!("NATS: {other}"),
         }
