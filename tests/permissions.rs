@@ -1,0 +1,95 @@
+//! The shipped least-privilege NATS configuration (`config/nats/least-privilege.conf`), on a
+//! real `nats-server`: an engine writes only its own worker's state and hears only its own
+//! resync requests; a router can ask lookups but not write events; kvindex works as usual.
+
+mod support;
+
+use async_nats::{Client, ConnectOptions};
+use futures::StreamExt;
+use kvindex_client::core::{BlockHash, LocalHash, StoredBlock};
+use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent};
+use kvindex_client::{LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
+use std::time::Duration;
+use support::{eventually, Daemon, NatsProcess};
+
+const SECRETS: [(&str, &str); 4] = [
+    ("KVINDEX_NATS_PASSWORD", "k-secret"),
+    ("ROUTER_NATS_PASSWORD", "r-secret"),
+    ("ENGINE_1_NATS_PASSWORD", "e1-secret"),
+    ("ENGINE_2_NATS_PASSWORD", "e2-secret"),
+];
+
+async fn connect(url: &str, user: &str, password: &str) -> Client {
+    ConnectOptions::with_user_and_password(user.into(), password.into()).connect(url).await.expect("credentials accepted")
+}
+
+fn batch(worker_id: u64, epoch: u64, event_id: u64, blocks: &[(u64, u64)]) -> Vec<u8> {
+    encode_batch(&EventBatch {
+        header: BatchHeader { worker_id, epoch, ..BatchHeader::default() },
+        events: vec![Ok(KvEvent::stored(event_id, None, blocks))],
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_party_can_do_its_job_and_nothing_else() {
+    let conf = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nats/least-privilege.conf");
+    let nats = NatsProcess::start_with(support::free_port(), &["-c", conf], &SECRETS).expect("nats-server takes the config");
+    let url = nats.url();
+    let d = Daemon::start(&url, |cfg| {
+        cfg.prefix = "kv".into();
+        cfg.nats_user = Some("kvindex".into());
+        cfg.nats_password = Some("k-secret".into());
+    })
+    .await;
+
+    // Engine 1 publishes through the publisher library: its own subject, its own resyncs.
+    let engine1 = connect(&url, "engine-1", "e1-secret").await;
+    let p1 = Publisher::start(engine1.clone(), PublisherConfig::new("kv", 1, 0)).await.unwrap();
+    p1.stored(None, &[StoredBlock::new(10, 1), StoredBlock::new(11, 2)]);
+    p1.flush().await;
+    let router = connect(&url, "router", "r-secret").await;
+    let lookups = LookupClient::new(router.clone(), "kv").with_timeout(Duration::from_secs(2));
+    let q = Query::hashes(&[LocalHash(1), LocalHash(2)]);
+    let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false }];
+    let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
+    assert!(seen.is_some(), "kvindex, engine and router work under their roles");
+
+    // Engine 1 writes worker 2's subject, then (a control) its own: order holds per connection,
+    // so once the control is applied the forged batch would have been too.
+    engine1.publish("kv.events.2", batch(2, 1, 0, &[(20, 1)]).into()).await.unwrap();
+    engine1.flush().await.unwrap();
+    p1.stored(None, &[StoredBlock::new(30, 7)]);
+    p1.flush().await;
+    let control = Query::hashes(&[LocalHash(7)]);
+    assert!(eventually(10, || async { lookups.lookup(&control).await.ok().filter(|a| !a.matches.is_empty()) }).await.is_some());
+    assert_eq!(lookups.lookup(&q).await.unwrap().matches, one, "worker 2 holds nothing: the forged batch was refused");
+
+    // Engine 1 cannot listen to worker 2's resync requests (nor answer them).
+    let mut theirs = engine1.subscribe("kv.resync.2").await.unwrap();
+    let mut mine = engine1.subscribe("kv.resync.1").await.unwrap();
+    engine1.flush().await.unwrap();
+    let kvindex_role = connect(&url, "kvindex", "k-secret").await;
+    kvindex_role.publish("kv.resync.2", "{}".into()).await.unwrap();
+    kvindex_role.publish("kv.resync.1", "{}".into()).await.unwrap();
+    kvindex_role.flush().await.unwrap();
+    assert!(tokio::time::timeout(Duration::from_secs(5), mine.next()).await.is_ok(), "its own request arrives");
+    let overheard = tokio::time::timeout(Duration::from_millis(500), theirs.next()).await;
+    assert!(!matches!(overheard, Ok(Some(_))), "engine 1 heard worker 2's resync request");
+
+    // The router cannot write events.
+    // Worker 1's own epoch, so that the forgery would apply if it got through.
+    router.publish("kv.events.1", batch(1, p1.epoch(), 1000, &[(40, 1), (41, 2), (42, 3)]).into()).await.unwrap();
+    router.flush().await.unwrap();
+    p1.stored(Some(BlockHash(30)), &[StoredBlock::new(31, 8)]);
+    p1.flush().await;
+    let control = Query::hashes(&[LocalHash(7), LocalHash(8)]);
+    assert!(eventually(10, || async {
+        lookups.lookup(&control).await.ok().filter(|a| a.matches.len() == 1 && a.matches[0].blocks == 2)
+    })
+    .await
+    .is_some());
+    let deeper = lookups.lookup(&Query::hashes(&[LocalHash(1), LocalHash(2), LocalHash(3)])).await.unwrap();
+    assert_eq!(deeper.matches, one, "the router's forged third block is not there");
+    assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0, "nothing forged reached worker 1's sequence");
+    d.stop().await.unwrap();
+}
