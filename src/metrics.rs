@@ -97,11 +97,9 @@ impl Metrics {
         .expect("valid metric");
         r.register(Box::new(event_lag.clone())).expect("unique metric");
         let lookup_duration = HistogramVec::new(
-            HistogramOpts::new("kvindex_lookup_duration_seconds", "Time to answer a lookup, decode to reply.")
-                .buckets(vec![
-                    0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25,
-                    1.0, 5.0,
-                ]),
+            HistogramOpts::new("kvindex_lookup_duration_seconds", "Time to answer a lookup, decode to reply.").buckets(vec![
+                0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0,
+            ]),
             &["result"],
         )
         .expect("valid metric");
