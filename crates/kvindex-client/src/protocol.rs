@@ -1051,4 +1051,33 @@ mod tests {
         let bad = Value::Map(vec![("block_hashes".into(), Value::Array(vec!["x".into()]))]);
         assert!(LookupRequest::decode(&enc(bad)).is_err());
     }
+
+    proptest::proptest! {
+        /// Routers' and kvindex's requests decode or fail cleanly whatever the bytes: random
+        /// ones, and valid requests cut short or with a byte flipped.
+        #[test]
+        fn request_decoders_never_panic(
+            noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            hashes in proptest::collection::vec(proptest::prelude::any::<i64>(), 0..40),
+            cut in 0usize..600,
+            flip in proptest::prelude::any::<(usize, u8)>(),
+        ) {
+            let _ = LookupRequest::decode(&noise);
+            let _ = ResyncRequest::decode(&noise);
+            let req = Value::Map(vec![
+                ("block_hashes".into(), Value::Array(hashes.iter().map(|&h| h.into()).collect())),
+                ("max_matches".into(), 3.into()),
+                ("workers".into(), Value::Array(vec![1.into(), 2.into()])),
+            ]);
+            let mut bytes = enc(req);
+            let ok = LookupRequest::decode(&bytes).expect("a valid request");
+            proptest::prop_assert_eq!(ok.local_hashes(usize::MAX).len(), hashes.len());
+            if !bytes.is_empty() {
+                let at = flip.0 % bytes.len();
+                bytes[at] ^= flip.1;
+            }
+            let _ = LookupRequest::decode(&bytes);
+            let _ = LookupRequest::decode(&bytes[..cut.min(bytes.len())]);
+        }
+    }
 }
