@@ -137,7 +137,7 @@ pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc:
                 reconnect = true;
             }
             Event::Disconnected | Event::Closed => {
-                tracing::warn!("lost the NATS connection ({e}); reconnecting");
+                state.log.warn("nats_disconnected", || format!("lost the NATS connection ({e}); reconnecting"));
                 state.connected.store(false, Ordering::Relaxed);
                 m.nats_connected.set(0);
             }
@@ -165,7 +165,7 @@ pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc:
                     }
                 }
             }
-            other => tracing::warn!("NATS: {other}"),
+            other => state.log.warn("nats_event", || format!("NATS: {other}")),
         }
     }
 }
@@ -239,13 +239,22 @@ pub(super) async fn ttl_loop<I: KvIndex>(state: Arc<State>, pool: Arc<ApplyPool<
     loop {
         tick.tick().await;
         let now = Instant::now();
-        let expired = state.cursors.lock().expire(now, ttl);
+        // The removals are queued while the cursors are locked: a batch of the same worker that
+        // arrives after its cursor is gone is then queued after its removal, never wiped by it.
+        let expired = tokio::task::block_in_place(|| {
+            let mut cursors = state.cursors.lock();
+            let gone = cursors.expire(now, ttl);
+            for w in &gone {
+                pool.remove_worker(*w);
+            }
+            gone
+        });
         for w in expired {
-            tracing::warn!(worker = %w, ttl_s = ttl.as_secs(), "worker silent past its TTL; dropping its blocks");
+            state
+                .log
+                .warn("worker_expired", || format!("worker {w} silent past its TTL ({} s); dropping its blocks", ttl.as_secs()));
             state.metrics.workers_expired.inc();
             state.clear_stale(w);
-            let pool = pool.clone();
-            let _ = tokio::task::spawn_blocking(move || pool.remove_worker(w)).await;
         }
     }
 }
