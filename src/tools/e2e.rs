@@ -47,6 +47,8 @@ pub struct E2eReport {
     pub lookups_per_s: f64,
     pub lookup_rtt_p50_us: f64,
     pub lookup_rtt_p99_us: f64,
+    /// Round-trip p99 of the same lookups with no ingest, same run, same full index.
+    pub idle_rtt_p99_us: f64,
     pub lookup_errors: u64,
     /// After the replay, a fresh daemon replaced the first: time until it was ready again,
     /// rebuilt from the publishers' snapshots, and the blocks it then held.
@@ -217,6 +219,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     done.store(true, Ordering::Relaxed);
     let _ = tokio::task::spawn_blocking(move || router.join()).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
+    let idle = idle_round_trips(&url, &prefix, &queries, cfg.lookup_rate).await?;
     daemon.stop().await?;
 
     // A new, empty daemon: how long until it has rebuilt the index from the publishers?
@@ -239,6 +242,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         lookups_per_s: rtt.len() as f64 / seconds,
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
+        idle_rtt_p99_us: idle.value_at_quantile(0.99) as f64 / 1e3,
         lookup_errors: lookup_errors.load(Ordering::Relaxed),
         rebuild_ms,
         rebuilt_blocks: sample(&rebuilt, "kvindex_index_blocks") as u64,
@@ -246,10 +250,32 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     })
 }
 
+/// Lookup round trips with no ingest, in the same run and on the same full index: the baseline
+/// the round trips under load compare to. One at a time, paced at `rate`, about a second's worth.
+async fn idle_round_trips(url: &str, prefix: &str, queries: &[Query], rate: f64) -> Result<Histogram<u64>> {
+    let mut h = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    if queries.is_empty() {
+        return Ok(h);
+    }
+    let client = async_nats::connect(url).await.context("router connecting to NATS")?;
+    let lookups = LookupClient::new(client, prefix).with_timeout(Duration::from_secs(10));
+    let every = Duration::from_secs_f64(1.0 / rate.max(1.0));
+    for i in 0..(rate as usize).clamp(100, 2000) {
+        let t = Instant::now();
+        if lookups.lookup(&queries[i % queries.len()]).await.is_ok() {
+            let _ = h.record(t.elapsed().as_nanos() as u64);
+        }
+        if let Some(wait) = every.checked_sub(t.elapsed()) {
+            tokio::time::sleep(wait).await;
+        }
+    }
+    Ok(h)
+}
+
 /// The reports as an aligned table.
 pub fn table(rows: &[E2eReport]) -> String {
     let mut s = format!(
-        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12} {:>11} {:>15}\n",
+        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12} {:>13} {:>11} {:>15}\n",
         "offered blk/s",
         "applied blk/s",
         "seconds",
@@ -258,13 +284,14 @@ pub fn table(rows: &[E2eReport]) -> String {
         "lookups/s",
         "rtt p50 us",
         "rtt p99 us",
+        "idle p99 us",
         "rebuild ms",
         "rebuilt blocks"
     );
     for r in rows {
         let offered = if r.offered_blocks_per_s > 0.0 { format!("{:.0}", r.offered_blocks_per_s) } else { "max".into() };
         s += &format!(
-            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1} {:>11.0} {:>15}\n",
+            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1} {:>13.1} {:>11.0} {:>15}\n",
             offered,
             r.sustained_blocks_per_s,
             r.seconds,
@@ -273,6 +300,7 @@ pub fn table(rows: &[E2eReport]) -> String {
             r.lookups_per_s,
             r.lookup_rtt_p50_us,
             r.lookup_rtt_p99_us,
+            r.idle_rtt_p99_us,
             r.rebuild_ms,
             format!("{}/{}", r.rebuilt_blocks, r.engine_blocks)
         );
