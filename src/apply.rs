@@ -37,11 +37,9 @@ pub struct QueueFull {
 /// Counters of the pool, for metrics.
 #[derive(Default)]
 pub struct PoolStats {
-    /// Batches applied.
+    /// Batches applied (a batch refused for want of a worker slot is reported to the hook and
+    /// in [`ApplyPool::totals`] as [`ApplyOutcome::refused`] instead).
     pub batches: AtomicU64,
-    /// Batches refused because the worker registry was full (reported to the hook as
-    /// [`ApplyOutcome::refused`]).
-    pub registry_full: AtomicU64,
 }
 
 /// A fixed pool of apply threads over one index.
@@ -183,7 +181,6 @@ fn apply_loop<I: KvIndex>(
                         Err(_) => {
                             // Reported, not logged here: the hook counts it and logs at a
                             // bounded rate (a flood of new workers must not flood the log).
-                            stats.registry_full.fetch_add(1, Ordering::Relaxed);
                             let out = ApplyOutcome { refused: events.len() as u64, ..ApplyOutcome::default() };
                             total.lock().add(&out);
                             if let Some(h) = &hook {

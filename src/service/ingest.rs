@@ -230,7 +230,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     } else if opened && !h.snapshot_end {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
-        state.mark_snapshotting(w);
+        state.mark_stale_asked(w);
     }
     if !out.is_empty() {
         if let Err(full) = pool.try_apply(w, out, h.ts_ns) {

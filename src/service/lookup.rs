@@ -55,6 +55,12 @@ pub(super) async fn lookup_membership<I: KvIndex>(
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
             continue;
         }
+        // The most entries an answer may hold under this server's payload limit, read once per
+        // membership (a reconnect, possibly to another server, means leaving and rejoining).
+        let room = entries_that_fit(match client.server_info().max_payload {
+            0 => 1 << 20,
+            n => n,
+        });
         // The server has the subscriptions once a flush returns: only then say so.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), client.flush()).await;
         state.member.store(true, Ordering::Relaxed);
@@ -63,7 +69,7 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         let (leave, left) = tokio::sync::watch::channel(false);
         let tasks: Vec<_> = subs
             .into_iter()
-            .map(|sub| tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), index.clone(), left.clone())))
+            .map(|sub| tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), index.clone(), room, left.clone())))
             .collect();
         let stopping = tokio::select! {
             _ = async { ready.wait_for(|r| !*r).await.map(|_| ()) } => false,
@@ -89,13 +95,14 @@ pub(super) async fn serve_lookups<I: KvIndex>(
     mut lookups: async_nats::Subscriber,
     state: Arc<State>,
     index: Arc<I>,
+    room: usize,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
     loop {
         tokio::select! {
             _ = stop.changed() => break,
             msg = lookups.next() => match msg {
-                Some(msg) => answer(&client, &state, &*index, msg).await,
+                Some(msg) => answer(&client, &state, &*index, room, msg).await,
                 None => break,
             },
         }
@@ -106,16 +113,11 @@ pub(super) async fn serve_lookups<I: KvIndex>(
 
 /// Answers one lookup request; an undecodable request gets an `error` reply. The answer is
 /// bounded: at most `max_matches` matches and, with the stale workers, never more than one
-/// NATS message holds.
-async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, msg: async_nats::Message) {
+/// NATS message holds (`room` entries).
+async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, room: usize, msg: async_nats::Message) {
     let start = Instant::now();
-    let max_payload = match client.server_info().max_payload {
-        0 => 1 << 20,
-        n => n,
-    };
     let (resp, ok) = match LookupRequest::decode(&msg.payload) {
         Ok(req) => {
-            let room = entries_that_fit(max_payload);
             let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
             let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };

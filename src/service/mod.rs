@@ -89,37 +89,32 @@ impl State {
     /// until a snapshot completes), so a publisher that keeps sending what cannot be placed
     /// is not asked again on every batch.
     fn mark_stale(&self, w: WorkerId) {
-        let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
-        match self.stale.entry(w) {
-            dashmap::mapref::entry::Entry::Vacant(v) => {
-                v.insert(Resync { generation, ..Resync::default() });
-                self.metrics.stale_workers.inc();
-                let _ = self.resync_tx.send(w);
-            }
-            dashmap::mapref::entry::Entry::Occupied(mut o) => o.get_mut().generation = generation,
+        if self.mark(w, false) {
+            let _ = self.resync_tx.send(w);
         }
     }
 
-    /// Stale while its snapshot is open; counted as asked once, so a resync request goes out
-    /// only if the snapshot has not ended `resync_interval` from now.
-    fn mark_snapshotting(&self, w: WorkerId) {
-        if let dashmap::mapref::entry::Entry::Vacant(v) = self.stale.entry(w) {
-            let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
-            v.insert(Resync { asked: Some(Instant::now()), attempts: 1, generation });
-            self.metrics.stale_workers.inc();
-        }
-    }
-
-    /// Marks `w` stale as already asked (a broadcast went out): per-worker requests follow
-    /// only if its snapshot does not come within the backoff.
+    /// Marks `w` stale as already asked (its snapshot is open, or a broadcast went out): a
+    /// per-worker request follows only if the snapshot does not end within the backoff.
     fn mark_stale_asked(&self, w: WorkerId) {
+        self.mark(w, true);
+    }
+
+    /// Marks `w` stale under a new generation (so a clear pending from an earlier snapshot
+    /// does not undo it); whether it was not stale before.
+    fn mark(&self, w: WorkerId, asked: bool) -> bool {
         let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
         match self.stale.entry(w) {
             dashmap::mapref::entry::Entry::Vacant(v) => {
-                v.insert(Resync { asked: Some(Instant::now()), attempts: 1, generation });
+                let asked = asked.then(Instant::now);
+                v.insert(Resync { asked, attempts: asked.is_some() as u32, generation });
                 self.metrics.stale_workers.inc();
+                true
             }
-            dashmap::mapref::entry::Entry::Occupied(mut o) => o.get_mut().generation = generation,
+            dashmap::mapref::entry::Entry::Occupied(mut o) => {
+                o.get_mut().generation = generation;
+                false
+            }
         }
     }
 

@@ -101,9 +101,14 @@ impl State {
 /// Asks every publisher for its block set; `/readyz` waits for their snapshots.
 pub(super) async fn broadcast_resync(client: &Client, state: &State) {
     state.begin_rebuild();
+    ask_everyone(client, state).await;
+}
+
+/// Publishes the resync broadcast that every publisher answers with its snapshot.
+async fn ask_everyone(client: &Client, state: &State) {
     match client.publish(format!("{}.resync", state.cfg.prefix), bytes::Bytes::new()).await {
         Ok(()) => state.metrics.resync_requests.with_label_values(&["all"]).inc(),
-        Err(e) => tracing::warn!("could not broadcast a resync request: {e}"),
+        Err(e) => state.log.warn("resync_broadcast", || format!("could not broadcast a resync request: {e}")),
     }
 }
 
@@ -159,10 +164,7 @@ pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc:
                             workers.len()
                         )
                     });
-                    match client.publish(format!("{}.resync", state.cfg.prefix), bytes::Bytes::new()).await {
-                        Ok(()) => m.resync_requests.with_label_values(&["all"]).inc(),
-                        Err(e) => state.log.warn("resync_broadcast", || format!("could not broadcast a resync request: {e}")),
-                    }
+                    ask_everyone(&client, &state).await;
                 }
             }
             other => state.log.warn("nats_event", || format!("NATS: {other}")),

@@ -86,14 +86,6 @@ impl Event {
         }
     }
 
-    /// The tier the event is about (`Cleared` covers every tier and reports `Device`).
-    pub fn tier(&self) -> Tier {
-        match self {
-            Event::Stored { tier, .. } | Event::Removed { tier, .. } => *tier,
-            Event::Cleared => Tier::Device,
-        }
-    }
-
     /// Applies this event to `index` through the worker's writer. The index holds the device
     /// tier: events of other tiers change nothing here (the caller counts them).
     pub fn apply_to<I: KvIndex>(&self, index: &I, w: &mut I::Writer) -> ApplyOutcome {
