@@ -21,6 +21,9 @@ pub struct Config {
     pub metrics_addr: String,
     /// Apply threads (0: one per core, less one for NATS and lookups, at least one).
     pub apply_threads: usize,
+    /// Threads that answer lookups, on a runtime and NATS connection of their own so that
+    /// ingest never queues ahead of them (0: one per four cores, at least one).
+    pub lookup_threads: usize,
     /// Batches queued per apply thread before ingest waits (backpressure).
     pub queue_capacity: usize,
     /// Messages the events subscription buffers in kvindex's NATS client. Past it the client
@@ -74,6 +77,7 @@ impl Default for Config {
             prefix: "kv".into(),
             metrics_addr: "0.0.0.0:9464".into(),
             apply_threads: 0,
+            lookup_threads: 0,
             queue_capacity: 1024,
             subscription_capacity: 65536,
             worker_ttl: 30,
@@ -192,6 +196,14 @@ impl Config {
             return self.apply_threads;
         }
         std::thread::available_parallelism().map_or(1, |n| n.get().saturating_sub(1).max(1))
+    }
+
+    /// Lookup threads to start.
+    pub fn lookup_threads(&self) -> usize {
+        if self.lookup_threads > 0 {
+            return self.lookup_threads;
+        }
+        std::thread::available_parallelism().map_or(1, |n| (n.get() / 4).max(1))
     }
 }
 

@@ -136,6 +136,37 @@ fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
+/// The runtime that answers lookups, apart from ingest's. Shut down without waiting when
+/// dropped (it may be dropped inside the main runtime, where a blocking shutdown panics).
+struct LookupRuntime {
+    rt: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+}
+
+impl LookupRuntime {
+    fn start(threads: usize) -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(threads.max(1))
+            .thread_name("kvindex-lookup")
+            .enable_all()
+            .build()
+            .context("starting the lookup runtime")?;
+        Ok(LookupRuntime { handle: rt.handle().clone(), rt: Some(rt) })
+    }
+
+    fn handle(&self) -> &tokio::runtime::Handle {
+        &self.handle
+    }
+}
+
+impl Drop for LookupRuntime {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
 /// The subject prefix of events, with the trailing dot.
 fn events_prefix(cfg: &Config) -> String {
     format!("{}.events.", cfg.prefix)
@@ -195,6 +226,7 @@ async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::
 
 async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
+    metrics.apply_queue_capacity.set(cfg.queue_capacity as i64);
     let index = Arc::new(index);
     let (resync_tx, resync_rx) = mpsc::unbounded_channel();
     let state = Arc::new(State {
@@ -246,9 +278,14 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         .with_context(|| format!("binding metrics_addr {}", cfg.metrics_addr))?;
     let (nats_tx, nats_rx) = mpsc::unbounded_channel();
     let client = connect(&cfg, nats_tx).await?;
-    // Lookups get a connection of their own, so a reply never queues behind event batches.
-    let (lookup_events, _ignored) = mpsc::unbounded_channel();
-    let lookup_client = connect(&cfg, lookup_events).await?;
+    // Lookups first: a runtime and a NATS connection of their own (its I/O driven by that
+    // runtime), so an answer never waits behind event batches, in the socket or for a thread.
+    let lookup_rt = LookupRuntime::start(cfg.lookup_threads())?;
+    let lookup_client = {
+        let cfg = cfg.clone();
+        let (lookup_events, _ignored) = mpsc::unbounded_channel();
+        lookup_rt.handle().spawn(async move { connect(&cfg, lookup_events).await }).await??
+    };
     let mut events = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.connected.store(connected, Ordering::Relaxed);
@@ -274,8 +311,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
     // In the lookup queue group only while ready: a replica rebuilding its index (after a
     // start or a reconnect) leaves lookups to the complete ones.
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
-    let subscribers = std::thread::available_parallelism().map_or(2, |n| n.get());
-    let membership = tokio::spawn(lookup::lookup_membership(
+    let subscribers = cfg.lookup_threads();
+    let membership = lookup_rt.handle().spawn(lookup::lookup_membership(
         lookup_client.clone(),
         state.clone(),
         index.clone(),
