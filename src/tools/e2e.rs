@@ -4,7 +4,7 @@
 //! Reports sustained blocks applied per second, event lag and lookup round trips.
 
 use crate::tools::bench::Workload;
-use crate::tools::harness::{free_port, http_get, sample, Daemon, NatsProcess};
+use crate::tools::harness::{buckets, free_port, http_body, quantile, sample, Daemon, NatsProcess};
 use crate::tools::stream::Op;
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
@@ -47,6 +47,9 @@ pub struct E2eReport {
     pub lookups_per_s: f64,
     pub lookup_rtt_p50_us: f64,
     pub lookup_rtt_p99_us: f64,
+    /// Upper bound of the daemon's own time per answer, p99 (decode to reply sent), from its
+    /// histogram: what of the round trip is kvindex's.
+    pub answer_p99_us: f64,
     /// Round-trip p99 of the same lookups with no ingest, same run, same full index.
     pub idle_rtt_p99_us: f64,
     pub lookup_errors: u64,
@@ -58,25 +61,13 @@ pub struct E2eReport {
     pub engine_blocks: u64,
 }
 
-/// The body of `path`, empty if the server does not answer.
-async fn http_body(addr: &str, path: &str) -> String {
-    http_get(addr, path).await.map(|r| r.1).unwrap_or_default()
-}
+/// Bucket series of the daemon's event lag and answer time histograms.
+const LAG: &str = "kvindex_event_lag_seconds_bucket{";
+const ANSWER: &str = "kvindex_lookup_duration_seconds_bucket{result=\"ok\",";
 
-/// Quantile `q` of a Prometheus histogram, as the upper bound of its bucket (seconds).
-fn bucket_quantile(text: &str, name: &str, q: f64) -> f64 {
-    let mut buckets: Vec<(f64, f64)> = text
-        .lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(name)?.strip_prefix("_bucket{le=\"")?;
-            let (le, v) = rest.split_once("\"} ")?;
-            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
-            Some((le, v.parse().ok()?))
-        })
-        .collect();
-    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
-    let total = buckets.last().map_or(0.0, |b| b.1);
-    buckets.iter().find(|(_, c)| *c >= q * total).map_or(0.0, |b| b.0)
+/// Quantile `q` of a Prometheus histogram series, as the upper bound of its bucket (seconds).
+fn bucket_quantile(text: &str, series: &str, q: f64) -> f64 {
+    quantile(&buckets(text, series), q)
 }
 
 /// Runs the whole system once and reports.
@@ -122,16 +113,21 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let done = Arc::new(AtomicBool::new(false));
     let rtt = Arc::new(parking_lot::Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?));
     let lookup_errors = Arc::new(AtomicU64::new(0));
-    // The router has its own connection, as a real router would.
-    let router_client = async_nats::connect(&url).await.context("router connecting to NATS")?;
+    // The router has its own connection and runtime, as a router process would: its round
+    // trips measure kvindex, not this process's publishers.
+    let router_rt =
+        tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("e2e-router").enable_all().build()?;
+    let connecting = url.clone();
+    let router_client =
+        router_rt.spawn(async move { async_nats::connect(connecting).await }).await?.context("router connecting to NATS")?;
     // Paced by an OS thread (tokio's timer ticks in milliseconds, which would send lookups in
-    // bursts); each request runs as a task on the runtime.
+    // bursts); each request runs as a task on the router's runtime.
     let router = {
         // A generous timeout: this measures round trips, it does not route.
         let lookups = LookupClient::new(router_client, &prefix).with_timeout(Duration::from_secs(10));
         let (done, rtt, errors, queries) = (done.clone(), rtt.clone(), lookup_errors.clone(), queries.clone());
         let every = Duration::from_secs_f64(1.0 / cfg.lookup_rate.max(1.0));
-        let handle = tokio::runtime::Handle::current();
+        let handle = router_rt.handle().clone();
         std::thread::spawn(move || {
             let limit = Arc::new(tokio::sync::Semaphore::new(512));
             let start = Instant::now();
@@ -219,7 +215,11 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     done.store(true, Ordering::Relaxed);
     let _ = tokio::task::spawn_blocking(move || router.join()).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let idle = idle_round_trips(&url, &prefix, &queries, cfg.lookup_rate).await?;
+    let idle = {
+        let (url, prefix, queries, rate) = (url.clone(), prefix.clone(), queries.clone(), cfg.lookup_rate);
+        router_rt.spawn(async move { idle_round_trips(&url, &prefix, &queries, rate).await }).await??
+    };
+    router_rt.shutdown_background();
     daemon.stop().await?;
 
     // A new, empty daemon: how long until it has rebuilt the index from the publishers?
@@ -236,12 +236,13 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         sustained_blocks_per_s: total_blocks as f64 / seconds,
         blocks: total_blocks,
         seconds,
-        event_lag_p50_ms: bucket_quantile(&text, "kvindex_event_lag_seconds", 0.5) * 1e3,
-        event_lag_p99_ms: bucket_quantile(&text, "kvindex_event_lag_seconds", 0.99) * 1e3,
+        event_lag_p50_ms: bucket_quantile(&text, LAG, 0.5) * 1e3,
+        event_lag_p99_ms: bucket_quantile(&text, LAG, 0.99) * 1e3,
         lookups: rtt.len(),
         lookups_per_s: rtt.len() as f64 / seconds,
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
+        answer_p99_us: bucket_quantile(&text, ANSWER, 0.99) * 1e6,
         idle_rtt_p99_us: idle.value_at_quantile(0.99) as f64 / 1e3,
         lookup_errors: lookup_errors.load(Ordering::Relaxed),
         rebuild_ms,
@@ -275,7 +276,7 @@ async fn idle_round_trips(url: &str, prefix: &str, queries: &[Query], rate: f64)
 /// The reports as an aligned table.
 pub fn table(rows: &[E2eReport]) -> String {
     let mut s = format!(
-        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12} {:>13} {:>11} {:>15}\n",
+        "{:>14} {:>14} {:>9} {:>12} {:>12} {:>10} {:>12} {:>12} {:>13} {:>13} {:>11} {:>15}\n",
         "offered blk/s",
         "applied blk/s",
         "seconds",
@@ -284,6 +285,7 @@ pub fn table(rows: &[E2eReport]) -> String {
         "lookups/s",
         "rtt p50 us",
         "rtt p99 us",
+        "answer p99 us",
         "idle p99 us",
         "rebuild ms",
         "rebuilt blocks"
@@ -291,7 +293,7 @@ pub fn table(rows: &[E2eReport]) -> String {
     for r in rows {
         let offered = if r.offered_blocks_per_s > 0.0 { format!("{:.0}", r.offered_blocks_per_s) } else { "max".into() };
         s += &format!(
-            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1} {:>13.1} {:>11.0} {:>15}\n",
+            "{:>14} {:>14.0} {:>9.2} {:>12} {:>12} {:>10.0} {:>12.1} {:>12.1} {:>13} {:>13.1} {:>11.0} {:>15}\n",
             offered,
             r.sustained_blocks_per_s,
             r.seconds,
@@ -300,6 +302,7 @@ pub fn table(rows: &[E2eReport]) -> String {
             r.lookups_per_s,
             r.lookup_rtt_p50_us,
             r.lookup_rtt_p99_us,
+            format!("<= {}", r.answer_p99_us),
             r.idle_rtt_p99_us,
             r.rebuild_ms,
             format!("{}/{}", r.rebuilt_blocks, r.engine_blocks)
@@ -315,9 +318,11 @@ mod tests {
     #[test]
     fn bucket_quantiles_read_prometheus_text() {
         let text = "x_bucket{le=\"0.001\"} 50\nx_bucket{le=\"0.01\"} 99\nx_bucket{le=\"0.1\"} 100\nx_bucket{le=\"+Inf\"} 100\n";
-        assert_eq!(bucket_quantile(text, "x", 0.5), 0.001);
-        assert_eq!(bucket_quantile(text, "x", 0.99), 0.01);
-        assert_eq!(bucket_quantile(text, "x", 1.0), 0.1);
+        assert_eq!(bucket_quantile(text, "x_bucket{", 0.5), 0.001);
+        assert_eq!(bucket_quantile(text, "x_bucket{", 0.99), 0.01);
+        assert_eq!(bucket_quantile(text, "x_bucket{", 1.0), 0.1);
+        let labelled = "y_bucket{result=\"ok\",le=\"0.5\"} 10\ny_bucket{result=\"ok\",le=\"+Inf\"} 10\n";
+        assert_eq!(bucket_quantile(labelled, "y_bucket{result=\"ok\",", 0.99), 0.5);
         assert_eq!(sample("a{k=\"v\"} 3\nb 4\n", "b"), 4.0);
     }
 }

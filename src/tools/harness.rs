@@ -109,11 +109,41 @@ pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
     tokio::time::timeout(Duration::from_secs(5), get).await.ok().flatten()
 }
 
+/// The body of `path`, empty if the server does not answer.
+pub async fn http_body(addr: &str, path: &str) -> String {
+    http_get(addr, path).await.map(|r| r.1).unwrap_or_default()
+}
+
 /// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
 pub fn sample(text: &str, name: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
         .unwrap_or(0.0)
+}
+
+/// The cumulative buckets `(le, count)` of one Prometheus histogram series, by `le`; `series`
+/// is its bucket lines' start up to `le`: `name_bucket{` and any other labels.
+pub fn buckets(text: &str, series: &str) -> Vec<(f64, f64)> {
+    let mut out: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(series)?.strip_prefix("le=\"")?;
+            let (le, v) = rest.split_once("\"} ")?;
+            let le = if le == "+Inf" { f64::INFINITY } else { le.parse().ok()? };
+            Some((le, v.trim().parse().ok()?))
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out
+}
+
+/// Quantile `q` of cumulative buckets, as the upper bound of its bucket; 0 when empty.
+pub fn quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    if total <= 0.0 {
+        return 0.0;
+    }
+    buckets.iter().find(|(_, c)| *c >= q * total).map_or(0.0, |b| b.0)
 }
 
 /// `kvindex serve` in this process (for `e2e` and the tests); `stop` shuts it down the way
