@@ -19,18 +19,37 @@ static ALLOC: tools::alloc::CountingAlloc = tools::alloc::CountingAlloc;
 struct Cli {
     #[command(subcommand)]
     cmd: Command,
+    /// Parse the command line, then exit without running it (tests check deployment files so).
+    #[arg(long, global = true, hide = true)]
+    check_args: bool,
 }
 
 #[derive(Subcommand)]
 enum Command {
     /// Run the daemon: ingest KV events from NATS, answer lookups, serve metrics.
     Serve(ServeArgs),
+    /// See it work: NATS, the daemon, mock engines and a KV-aware router on a real trace,
+    /// with live figures and the hit rate against round-robin and random routing.
+    Demo(DemoArgs),
     /// Replay a trace or stream against index backends and report throughput, latency, memory.
     Bench(BenchArgs),
     /// Run NATS, the daemon, mock engines and a router together; report throughput and latency.
     E2e(E2eArgs),
     /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
     Gen(GenArgs),
+    /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
+    /// healthcheck that needs no curl).
+    Health(HealthArgs),
+}
+
+#[derive(Args)]
+struct HealthArgs {
+    /// The daemon's metrics_addr.
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    addr: String,
+    /// /readyz (ready: in the lookup group) or /healthz (alive).
+    #[arg(long, default_value = "/readyz")]
+    path: String,
 }
 
 /// Where the workload comes from.
@@ -145,6 +164,50 @@ struct ServeArgs {
 }
 
 #[derive(Args)]
+struct DemoArgs {
+    /// Mooncake trace (JSONL) whose requests arrive on their timeline.
+    #[arg(long, default_value = "data/traces/conversation_trace.jsonl")]
+    trace: PathBuf,
+    /// Use only the trace's first N requests.
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Timeline compression: 60 plays the trace's hour in a minute; 0 as fast as possible.
+    #[arg(long, default_value_t = 60.0)]
+    speed: f64,
+    /// Workers (engines) per fleet.
+    #[arg(long, default_value_t = 16)]
+    workers: u64,
+    /// LRU capacity of each worker, in blocks.
+    #[arg(long, default_value_t = 16384)]
+    capacity: usize,
+    /// Each trace block (512 tokens) becomes this many blocks.
+    #[arg(long, default_value_t = 16)]
+    factor: u64,
+    /// Router cost: blocks to compute + this x the worker's active blocks.
+    #[arg(long, default_value_t = 1.0)]
+    load_weight: f64,
+    /// Seed of the random policy.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Use this NATS server instead of starting nats-server on a free loopback port.
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Feed and ask a kvindex already running on that NATS (its /metrics address, e.g.
+    /// kvindex:9464) instead of starting one here.
+    #[arg(long, requires = "nats_url")]
+    kvindex: Option<String>,
+    /// Subject prefix of kvindex.
+    #[arg(long, default_value = "kv")]
+    prefix: String,
+    /// Play the trace again and again until interrupted (a load generator for dashboards).
+    #[arg(long = "loop")]
+    repeat: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct E2eArgs {
     #[command(flatten)]
     source: Source,
@@ -183,6 +246,9 @@ struct GenArgs {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
+    if cli.check_args {
+        return Ok(());
+    }
     let json = matches!(&cli.cmd, Command::Serve(a) if a.log_json);
     // The daemon logs its own lifecycle; the benchmarks print tables and log only trouble.
     // RUST_LOG overrides either.
@@ -198,7 +264,9 @@ fn main() -> Result<()> {
         Command::Serve(a) => serve_cmd(a),
         Command::Bench(a) => bench_cmd(a),
         Command::E2e(a) => e2e_cmd(a),
+        Command::Demo(a) => demo_cmd(a),
         Command::Gen(a) => gen_cmd(a),
+        Command::Health(a) => health_cmd(a),
     }
 }
 
@@ -227,6 +295,52 @@ fn e2e_cmd(a: E2eArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", tools::e2e::table(&rows));
+    }
+    Ok(())
+}
+
+fn health_cmd(a: HealthArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    match rt.block_on(tools::harness::http_get(&a.addr, &a.path)) {
+        Some((200, _)) => Ok(()),
+        Some((code, body)) => bail!("{}{} answered {code}: {}", a.addr, a.path, body.trim()),
+        None => bail!("{}{} does not answer", a.addr, a.path),
+    }
+}
+
+fn demo_cmd(a: DemoArgs) -> Result<()> {
+    let mut trace = trace::read_trace_file(&a.trace)?;
+    trace.truncate(a.requests.unwrap_or(usize::MAX));
+    let cfg = tools::demo::DemoConfig {
+        nats_url: a.nats_url,
+        kvindex_metrics: a.kvindex,
+        prefix: a.prefix,
+        workers: a.workers,
+        capacity: a.capacity,
+        factor: a.factor,
+        speed: a.speed,
+        load_weight: a.load_weight,
+        seed: a.seed,
+        repeat: a.repeat,
+        live: if a.json { tools::demo::Live::Off } else { tools::demo::live_for_stdout() },
+    };
+    if !a.json {
+        println!(
+            "kvindex demo: {} requests of {}, at {}x; one fleet of {} workers routed by kvindex, three routed without it",
+            trace.len(),
+            a.trace.display(),
+            cfg.speed,
+            cfg.workers
+        );
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let report = rt.block_on(tools::demo::run(&trace, &cfg, async {
+        let _ = tokio::signal::ctrl_c().await;
+    }))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", tools::demo::table(&report, &cfg));
     }
     Ok(())
 }

@@ -9,10 +9,13 @@
 //! - [`bench`]: `kvindex bench`, the trace-replay benchmark of the index backends.
 //! - [`harness`]: a `nats-server` child and an in-process daemon, for `e2e` and the tests.
 //! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
+//! - [`demo`]: `kvindex demo`: a closed loop of router, mock engines and kvindex, showing the
+//!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 
 pub mod alloc;
 pub mod bench;
+pub mod demo;
 pub mod e2e;
 pub mod flood;
 pub mod harness;

@@ -97,18 +97,75 @@ pub fn mock_block_hash(prev: u64, local: u64) -> u64 {
 
 /// One worker's LRU prefix cache, keyed by engine block hash.
 #[derive(Default)]
-struct LruCache {
+pub struct PrefixCache {
     stamp_of: FxHashMap<u64, u64>,
     by_stamp: BTreeMap<u64, u64>,
 }
 
-impl LruCache {
+/// What a worker's cache did with one request.
+pub struct Served {
+    /// Leading blocks found cached (the prefix the request did not have to compute).
+    pub hit: usize,
+    /// Blocks evicted to make room, least recently used first.
+    pub evicted: Vec<u64>,
+}
+
+impl PrefixCache {
     fn touch(&mut self, block: u64, stamp: u64) {
         if let Some(old) = self.stamp_of.insert(block, stamp) {
             self.by_stamp.remove(&old);
         }
         self.by_stamp.insert(stamp, block);
     }
+
+    /// Blocks cached.
+    pub fn len(&self) -> usize {
+        self.stamp_of.len()
+    }
+
+    /// Leading blocks of `engine` (a request's engine hashes) that are cached.
+    pub fn hits(&self, engine: &[u64]) -> usize {
+        engine.iter().take_while(|b| self.stamp_of.contains_key(b)).count()
+    }
+
+    /// Serves a request: its longest cached prefix hits; least recently used blocks it does not
+    /// use make room (at most `capacity` blocks stay); then all its blocks are stamped
+    /// tail-first from `clock`, as engines free them, so parents always outlive children.
+    pub fn serve(&mut self, engine: &[u64], capacity: usize, clock: &mut u64) -> Served {
+        let hit = self.hits(engine);
+        let new = engine.len() - hit;
+        let room = capacity.saturating_sub(self.len());
+        let mut evicted = Vec::new();
+        if new > room {
+            let need = new - room;
+            let used: rustc_hash::FxHashSet<u64> = engine[..hit].iter().copied().collect();
+            evicted = self.by_stamp.values().filter(|b| !used.contains(b)).take(need).copied().collect();
+            for v in &evicted {
+                if let Some(s) = self.stamp_of.remove(v) {
+                    self.by_stamp.remove(&s);
+                }
+            }
+        }
+        for &b in engine.iter().rev() {
+            *clock += 1;
+            self.touch(b, *clock);
+        }
+        Served { hit, evicted }
+    }
+}
+
+/// The engine hashes of a chain of local hashes: `B[0] = L[0]`, `B[i] = H(B[i-1], L[i])`.
+pub fn chain_hashes(locals: &[u64]) -> Vec<u64> {
+    let mut engine = Vec::with_capacity(locals.len());
+    for (i, &l) in locals.iter().enumerate() {
+        engine.push(if i == 0 { l } else { mock_block_hash(engine[i - 1], l) });
+    }
+    engine
+}
+
+/// The local hashes of a trace request's blocks: trace block `h` becomes `factor` blocks.
+pub fn request_locals(req: &TraceRequest, factor: u64) -> Vec<u64> {
+    req.hash_ids.iter().flat_map(|&h| (h * factor..h * factor + factor).map(mock_local_hash)).collect()
 }
 
 /// Turns trace requests into events and lookups, worker by worker, as the rules of
@@ -116,7 +173,7 @@ impl LruCache {
 pub struct MockEngine {
     cfg: MockConfig,
     rng: SplitMix64,
-    caches: Vec<LruCache>,
+    caches: Vec<PrefixCache>,
     event_ids: Vec<u64>,
     clock: u64,
 }
@@ -126,7 +183,7 @@ impl MockEngine {
         MockEngine {
             cfg,
             rng: SplitMix64::new(cfg.seed),
-            caches: (0..cfg.workers).map(|_| LruCache::default()).collect(),
+            caches: (0..cfg.workers).map(|_| PrefixCache::default()).collect(),
             event_ids: vec![0; cfg.workers as usize],
             clock: 0,
         }
@@ -134,7 +191,7 @@ impl MockEngine {
 
     /// Blocks cached by all workers now.
     pub fn cached_blocks(&self) -> usize {
-        self.caches.iter().map(|c| c.stamp_of.len()).sum()
+        self.caches.iter().map(PrefixCache::len).sum()
     }
 
     fn next_event_id(&mut self, worker: u64) -> u64 {
@@ -145,43 +202,18 @@ impl MockEngine {
 
     /// The ops of one request, appended to `out`.
     pub fn request(&mut self, req: &TraceRequest, out: &mut Vec<TimedOp>) {
-        let f = self.cfg.factor;
-        let locals: Vec<u64> = req.hash_ids.iter().flat_map(|&h| (h * f..h * f + f).map(mock_local_hash)).collect();
-        let mut engine = Vec::with_capacity(locals.len());
-        for (i, &l) in locals.iter().enumerate() {
-            engine.push(if i == 0 { l } else { mock_block_hash(engine[i - 1], l) });
-        }
+        let locals = request_locals(req, self.cfg.factor);
+        let engine = chain_hashes(&locals);
         let worker = self.rng.below(self.cfg.workers);
         let ts_ms = req.timestamp;
         out.push(TimedOp { ts_ms, op: StreamOp::Lookup { local: locals.clone() } });
-
-        let cache = &self.caches[worker as usize];
-        let hit = engine.iter().take_while(|b| cache.stamp_of.contains_key(b)).count();
-        let new = locals.len() - hit;
-        let room = self.cfg.capacity.saturating_sub(cache.stamp_of.len());
-        if new > room {
-            // Evict least recently used blocks that this request does not use.
-            let need = new - room;
-            let used: rustc_hash::FxHashSet<u64> = engine[..hit].iter().copied().collect();
-            let victims: Vec<u64> = cache.by_stamp.values().filter(|b| !used.contains(b)).take(need).copied().collect();
-            let cache = &mut self.caches[worker as usize];
-            for v in &victims {
-                if let Some(s) = cache.stamp_of.remove(v) {
-                    cache.by_stamp.remove(&s);
-                }
-            }
-            if !victims.is_empty() {
-                let event_id = self.next_event_id(worker);
-                out.push(TimedOp { ts_ms, op: StreamOp::Removed { worker, event_id, seq: victims } });
-            }
+        let served = self.caches[worker as usize].serve(&engine, self.cfg.capacity, &mut self.clock);
+        if !served.evicted.is_empty() {
+            let event_id = self.next_event_id(worker);
+            out.push(TimedOp { ts_ms, op: StreamOp::Removed { worker, event_id, seq: served.evicted } });
         }
-        // Stamp tail-first, as engines free blocks, so parents always outlive children.
-        let cache = &mut self.caches[worker as usize];
-        for &b in engine.iter().rev() {
-            self.clock += 1;
-            cache.touch(b, self.clock);
-        }
-        if new > 0 {
+        let hit = served.hit;
+        if hit < locals.len() {
             let parent = if hit == 0 { None } else { Some(engine[hit - 1]) };
             let blocks = (hit..locals.len()).map(|i| (locals[i], engine[i])).collect();
             let event_id = self.next_event_id(worker);

@@ -1,0 +1,493 @@
+//! `kvindex demo`: the routing win, live. NATS (started here unless given), `kvindex serve`
+//! (unless one runs already), a fleet of mock engines with LRU prefix caches whose publishers
+//! feed kvindex, and a router that asks kvindex about each request of a Mooncake trace and
+//! sends it to a worker. The chosen worker's cache then serves and stores the request's
+//! blocks, so routing decisions drive the events: a closed loop.
+//!
+//! The same requests also go to three fleets simulated alike but routed without kvindex:
+//! round-robin, random, and an oracle that reads every cache directly (the best any index can
+//! do with this cost function; kvindex, being exact, should come close).
+
+use crate::tools::harness::{buckets, free_port, http_body, quantile, sample, Daemon, NatsProcess};
+use crate::tools::trace::{chain_hashes, request_locals, PrefixCache, SplitMix64, TraceRequest};
+use anyhow::{Context, Result};
+use hdrhistogram::Histogram;
+use kvindex::config::Config;
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_client::{LookupClient, Query};
+use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock};
+use serde::Serialize;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// Settings of a demo run.
+#[derive(Clone, Debug)]
+pub struct DemoConfig {
+    /// An existing NATS server; `None` starts `nats-server` on a free loopback port.
+    pub nats_url: Option<String>,
+    /// `/metrics` address of a kvindex already serving `prefix` on that NATS; `None` starts
+    /// `kvindex serve` in this process.
+    pub kvindex_metrics: Option<String>,
+    /// Subject prefix of the kvindex the engines feed and the router asks.
+    pub prefix: String,
+    /// Workers per fleet.
+    pub workers: u64,
+    /// LRU capacity of each worker, in blocks.
+    pub capacity: usize,
+    /// Each trace block (512 tokens) becomes this many blocks.
+    pub factor: u64,
+    /// Timeline compression: 60 plays a minute of the trace per second; 0 as fast as possible.
+    pub speed: f64,
+    /// Weight of a worker's active blocks against the blocks a request must compute.
+    pub load_weight: f64,
+    /// Seed of the random policy.
+    pub seed: u64,
+    /// Play the trace again and again (a load generator for dashboards) until interrupted.
+    pub repeat: bool,
+    /// How progress is shown.
+    pub live: Live,
+}
+
+/// How a run shows progress while it runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Live {
+    /// A panel redrawn every second (a terminal).
+    Panel,
+    /// One line every few seconds (logs).
+    Lines,
+    /// Nothing (tests).
+    Off,
+}
+
+/// How a fleet's router picks a worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Policy {
+    /// Asks kvindex: least (blocks to compute + load weight x active blocks).
+    KvAware,
+    /// The same cost, the depths read from the caches themselves.
+    Oracle,
+    RoundRobin,
+    Random,
+}
+
+impl Policy {
+    fn name(self) -> &'static str {
+        match self {
+            Policy::KvAware => "kv-aware (kvindex)",
+            Policy::Oracle => "oracle (reads caches)",
+            Policy::RoundRobin => "round-robin",
+            Policy::Random => "random",
+        }
+    }
+}
+
+/// What one fleet achieved.
+#[derive(Clone, Debug, Serialize)]
+pub struct FleetReport {
+    pub policy: Policy,
+    /// Cached blocks / requested blocks.
+    pub hit_rate: f64,
+    /// Prompt tokens not computed thanks to cached prefixes.
+    pub prefill_tokens_saved: u64,
+    pub requests_per_worker_max: u64,
+    pub requests_per_worker_mean: f64,
+}
+
+/// What a run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct DemoReport {
+    pub requests: u64,
+    pub seconds: f64,
+    pub fleets: Vec<FleetReport>,
+    pub lookups: u64,
+    pub lookup_errors: u64,
+    pub lookup_rtt_p50_us: f64,
+    pub lookup_rtt_p99_us: f64,
+    /// Interrupted (Ctrl-C) before the trace ended.
+    pub interrupted: bool,
+}
+
+/// Simulated service time: prompt tokens computed per second, tokens decoded per second.
+const PREFILL_TOKENS_PER_S: f64 = 20_000.0;
+const DECODE_TOKENS_PER_S: f64 = 30.0;
+
+/// One fleet of workers: their caches, their load, what they served.
+struct Fleet {
+    policy: Policy,
+    caches: Vec<PrefixCache>,
+    /// Requests in service per worker: (end time in trace ms, blocks held).
+    running: Vec<BinaryHeap<Reverse<(u64, u64)>>>,
+    active_blocks: Vec<u64>,
+    requests: Vec<u64>,
+    requested_blocks: u64,
+    hit_blocks: u64,
+    saved_tokens: u64,
+    clock: u64,
+    next: usize,
+    rng: SplitMix64,
+}
+
+impl Fleet {
+    fn new(policy: Policy, workers: usize, seed: u64) -> Self {
+        Fleet {
+            policy,
+            caches: (0..workers).map(|_| PrefixCache::default()).collect(),
+            running: vec![BinaryHeap::new(); workers],
+            active_blocks: vec![0; workers],
+            requests: vec![0; workers],
+            requested_blocks: 0,
+            hit_blocks: 0,
+            saved_tokens: 0,
+            clock: 0,
+            next: 0,
+            rng: SplitMix64::new(seed),
+        }
+    }
+
+    /// Ends the requests finished by `now_ms`.
+    fn expire(&mut self, now_ms: u64) {
+        for (w, heap) in self.running.iter_mut().enumerate() {
+            while let Some(Reverse((end, blocks))) = heap.peek().copied() {
+                if end > now_ms {
+                    break;
+                }
+                heap.pop();
+                self.active_blocks[w] -= blocks;
+            }
+        }
+    }
+
+    /// The worker of least cost, given each worker's cached depth of the request (`blocks`
+    /// long): blocks to compute, plus the load weight times the blocks it holds for requests
+    /// in service. Ties go to the lower worker.
+    fn cheapest(&self, depth: impl Fn(usize) -> u64, blocks: u64, load_weight: f64) -> usize {
+        (0..self.caches.len())
+            .map(|w| (w, (blocks - depth(w).min(blocks)) as f64 + load_weight * self.active_blocks[w] as f64))
+            .min_by(|a, b| a.1.total_cmp(&b.1))
+            .map_or(0, |(w, _)| w)
+    }
+
+    /// Picks a worker for the request of engine hashes `engine`; `depths` are kvindex's
+    /// answer, for the kv-aware fleet.
+    fn choose(&mut self, engine: &[u64], depths: &HashMap<usize, u64>, load_weight: f64) -> usize {
+        let n = self.caches.len();
+        let blocks = engine.len() as u64;
+        match self.policy {
+            Policy::KvAware => self.cheapest(|w| depths.get(&w).copied().unwrap_or(0), blocks, load_weight),
+            Policy::Oracle => self.cheapest(|w| self.caches[w].hits(engine) as u64, blocks, load_weight),
+            Policy::RoundRobin => {
+                self.next = (self.next + 1) % n;
+                self.next
+            }
+            Policy::Random => self.rng.below(n as u64) as usize,
+        }
+    }
+
+    /// Worker `w` serves the request; returns what its cache did.
+    fn serve(
+        &mut self,
+        w: usize,
+        req: &TraceRequest,
+        engine: &[u64],
+        cfg: &DemoConfig,
+        now_ms: u64,
+    ) -> crate::tools::trace::Served {
+        let served = self.caches[w].serve(engine, cfg.capacity, &mut self.clock);
+        let tokens_per_block = 512 / cfg.factor.max(1);
+        let (cached, asked) = (served.hit as u64 * tokens_per_block, engine.len() as u64 * tokens_per_block);
+        // The trace's prompt length, where given, is what the blocks cover (the last one partly).
+        let prompt = if req.input_length > 0 { req.input_length } else { asked };
+        let saved = cached.min(prompt);
+        let computed = prompt - saved;
+        let busy_s = computed as f64 / PREFILL_TOKENS_PER_S + req.output_length as f64 / DECODE_TOKENS_PER_S;
+        self.running[w].push(Reverse((now_ms + (busy_s * 1e3) as u64, engine.len() as u64)));
+        self.active_blocks[w] += engine.len() as u64;
+        self.requests[w] += 1;
+        self.requested_blocks += engine.len() as u64;
+        self.hit_blocks += served.hit as u64;
+        self.saved_tokens += saved;
+        served
+    }
+
+    fn hit_rate(&self) -> f64 {
+        if self.requested_blocks == 0 {
+            0.0
+        } else {
+            self.hit_blocks as f64 / self.requested_blocks as f64
+        }
+    }
+
+    fn report(&self) -> FleetReport {
+        let total: u64 = self.requests.iter().sum();
+        FleetReport {
+            policy: self.policy,
+            hit_rate: self.hit_rate(),
+            prefill_tokens_saved: self.saved_tokens,
+            requests_per_worker_max: self.requests.iter().copied().max().unwrap_or(0),
+            requests_per_worker_mean: total as f64 / self.requests.len().max(1) as f64,
+        }
+    }
+}
+
+/// The daemon's figures between two scrapes of `/metrics`, for the live view.
+struct Scrape {
+    at: Instant,
+    text: String,
+}
+
+fn sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// Quantile `q` of a histogram series between two scrapes.
+fn delta_quantile(old: &str, new: &str, series: &str, q: f64) -> f64 {
+    let (a, b) = (buckets(old, series), buckets(new, series));
+    let delta: Vec<(f64, f64)> = b.iter().map(|&(le, c)| (le, c - a.iter().find(|x| x.0 == le).map_or(0.0, |x| x.1))).collect();
+    quantile(&delta, q)
+}
+
+/// The live panel's lines.
+fn panel(prev: &Scrape, now: &Scrape, fleets: &[Fleet], done: u64, total: Option<u64>, started: Instant) -> Vec<String> {
+    let dt = now.at.duration_since(prev.at).as_secs_f64().max(1e-3);
+    let rate = |name: &str| (sum(&now.text, name) - sum(&prev.text, name)).max(0.0) / dt;
+    let lag = delta_quantile(&prev.text, &now.text, "kvindex_event_lag_seconds_bucket{", 0.99);
+    let answer = delta_quantile(&prev.text, &now.text, "kvindex_lookup_duration_seconds_bucket{result=\"ok\",", 0.99);
+    let progress = match total {
+        Some(t) => format!("{done}/{t} requests"),
+        None => format!("{done} requests"),
+    };
+    let mut lines = vec![
+        format!("kvindex demo  {:>6.1} s  {progress}", started.elapsed().as_secs_f64()),
+        format!(
+            "  kvindex   events/s {:>9.0}   blocks/s {:>10.0}   lookups/s {:>7.0}   event lag p99 <= {:.1} ms   answer p99 <= {:.0} us",
+            rate("kvindex_events_applied_total"),
+            rate("kvindex_blocks_applied_total"),
+            rate("kvindex_lookups_total"),
+            lag * 1e3,
+            answer * 1e6,
+        ),
+        format!(
+            "  index     {:>9.0} blocks   {:>9.0} entries   {:>4.0} workers   {:.0} stale",
+            sample(&now.text, "kvindex_index_blocks"),
+            sample(&now.text, "kvindex_index_entries"),
+            sample(&now.text, "kvindex_index_workers"),
+            sample(&now.text, "kvindex_stale_workers"),
+        ),
+        "  hit rate so far:".to_string(),
+    ];
+    for f in fleets {
+        lines.push(format!("    {:<24} {:>6.1} %", f.policy.name(), f.hit_rate() * 100.0));
+    }
+    lines
+}
+
+/// Runs the demo over `trace` until it ends (or forever with `repeat`), or until `stop`
+/// resolves; then reports.
+pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::future::Future<Output = ()>) -> Result<DemoReport> {
+    anyhow::ensure!(!trace.is_empty(), "the trace has no requests");
+    anyhow::ensure!(cfg.workers > 0 && cfg.workers <= 4096, "workers: 1 to 4096");
+    let (_nats, url) = match &cfg.nats_url {
+        Some(u) => (None, u.clone()),
+        None => {
+            let server = NatsProcess::start()?;
+            let url = server.url();
+            (Some(server), url)
+        }
+    };
+    let (daemon, metrics_addr) = match &cfg.kvindex_metrics {
+        Some(addr) => (None, addr.trim_start_matches("http://").trim_end_matches('/').to_string()),
+        None => {
+            let daemon_cfg = Config {
+                nats_url: url.clone(),
+                prefix: cfg.prefix.clone(),
+                metrics_addr: format!("127.0.0.1:{}", free_port()?),
+                ..Config::default()
+            };
+            let d = Daemon::start(daemon_cfg).await.context("starting kvindex serve")?;
+            let addr = d.cfg.metrics_addr.clone();
+            (Some(d), addr)
+        }
+    };
+    let nats = async_nats::connect(&url).await.with_context(|| format!("connecting to NATS at {url}"))?;
+    let workers = cfg.workers as usize;
+    let mut publishers = Vec::with_capacity(workers);
+    for w in 0..cfg.workers {
+        publishers.push(Publisher::start(nats.clone(), PublisherConfig::new(&cfg.prefix, w, 0)).await?);
+    }
+    let router = LookupClient::new(async_nats::connect(&url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
+    let mut fleets: Vec<Fleet> = [Policy::KvAware, Policy::Oracle, Policy::RoundRobin, Policy::Random]
+        .into_iter()
+        .map(|p| Fleet::new(p, workers, cfg.seed))
+        .collect();
+    let mut rtt = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut lookup_errors = 0u64;
+    let span_ms = trace.last().map_or(0, |r| r.timestamp) + 3_000;
+    let total = (!cfg.repeat).then_some(trace.len() as u64);
+    let started = Instant::now();
+    let mut prev = Scrape { at: Instant::now(), text: http_body(&metrics_addr, "/metrics").await };
+    let mut last_line = Instant::now();
+    let mut panel_lines = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    tokio::pin!(stop);
+    let mut done = 0u64;
+    let mut interrupted = false;
+    'passes: for pass in 0u64.. {
+        for req in trace {
+            let now_ms = req.timestamp + pass * span_ms;
+            let due = (cfg.speed > 0.0).then(|| started + Duration::from_secs_f64(now_ms as f64 / 1e3 / cfg.speed));
+            // Wait for the request's arrival, redrawing the live view meanwhile.
+            loop {
+                let wait = async {
+                    match due {
+                        Some(d) => tokio::time::sleep_until(d.into()).await,
+                        None => tokio::task::yield_now().await,
+                    }
+                };
+                tokio::select! {
+                    _ = &mut stop => { interrupted = true; break 'passes; }
+                    _ = tick.tick() => {
+                        if cfg.live == Live::Off { continue; }
+                        let now = Scrape { at: Instant::now(), text: http_body(&metrics_addr, "/metrics").await };
+                        let lines = panel(&prev, &now, &fleets, done, total, started);
+                        show(cfg.live, &lines, &mut panel_lines, &mut last_line);
+                        prev = now;
+                    }
+                    _ = wait => break,
+                }
+            }
+            let locals = request_locals(req, cfg.factor);
+            let engine = chain_hashes(&locals);
+            let hashes: Vec<LocalHash> = locals.iter().map(|&l| LocalHash(l)).collect();
+            let t = Instant::now();
+            let depths: HashMap<usize, u64> = match router.lookup(&Query::hashes(&hashes)).await {
+                Ok(answer) => {
+                    let _ = rtt.record(t.elapsed().as_nanos() as u64);
+                    answer
+                        .matches
+                        .iter()
+                        .filter(|m| m.worker_id < cfg.workers && !m.stale)
+                        .map(|m| (m.worker_id as usize, m.blocks as u64))
+                        .collect()
+                }
+                Err(e) => {
+                    lookup_errors += 1;
+                    if lookup_errors == 1 {
+                        tracing::warn!("lookup failed ({e}); routing by load alone until kvindex answers");
+                    }
+                    HashMap::new()
+                }
+            };
+            for fleet in fleets.iter_mut() {
+                fleet.expire(now_ms);
+                let w = fleet.choose(&engine, &depths, cfg.load_weight);
+                let served = fleet.serve(w, req, &engine, cfg, now_ms);
+                if fleet.policy != Policy::KvAware {
+                    continue;
+                }
+                // The chosen engine reports what its cache did: evictions, then the new blocks.
+                let p = &publishers[w];
+                p.wait_for_room().await;
+                if !served.evicted.is_empty() {
+                    let gone: Vec<BlockHash> = served.evicted.iter().map(|&b| BlockHash(b)).collect();
+                    p.removed(&gone);
+                }
+                if served.hit < engine.len() {
+                    let parent = served.hit.checked_sub(1).map(|i| BlockHash(engine[i]));
+                    let blocks: Vec<StoredBlock> =
+                        (served.hit..engine.len()).map(|i| StoredBlock::new(engine[i], locals[i])).collect();
+                    p.stored(parent, &blocks);
+                }
+            }
+            done += 1;
+        }
+        if !cfg.repeat {
+            break;
+        }
+    }
+    if panel_lines > 0 {
+        println!();
+    }
+    for p in &publishers {
+        p.flush().await;
+    }
+    if let Some(d) = daemon {
+        d.stop().await?;
+    }
+    Ok(DemoReport {
+        requests: done,
+        seconds: started.elapsed().as_secs_f64(),
+        fleets: fleets.iter().map(Fleet::report).collect(),
+        lookups: rtt.len(),
+        lookup_errors,
+        lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
+        lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
+        interrupted,
+    })
+}
+
+/// Draws the live view: the panel in place on a terminal, a line every five seconds in logs.
+fn show(live: Live, lines: &[String], drawn: &mut usize, last_line: &mut Instant) {
+    let mut out = std::io::stdout().lock();
+    match live {
+        Live::Panel => {
+            if *drawn > 0 {
+                let _ = write!(out, "\x1b[{}A\x1b[J", *drawn);
+            }
+            for l in lines {
+                let _ = writeln!(out, "{l}");
+            }
+            *drawn = lines.len();
+        }
+        Live::Lines if last_line.elapsed() >= Duration::from_secs(5) => {
+            let _ = writeln!(out, "{}", lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" | "));
+            *last_line = Instant::now();
+        }
+        _ => {}
+    }
+    let _ = out.flush();
+}
+
+/// The live mode for this process's stdout.
+pub fn live_for_stdout() -> Live {
+    if std::io::stdout().is_terminal() {
+        Live::Panel
+    } else {
+        Live::Lines
+    }
+}
+
+/// The summary table.
+pub fn table(r: &DemoReport, cfg: &DemoConfig) -> String {
+    let mut s = format!(
+        "{} requests in {:.1} s{}; {} workers per fleet, {} blocks of {} tokens each\n\n",
+        r.requests,
+        r.seconds,
+        if r.interrupted { " (interrupted)" } else { "" },
+        cfg.workers,
+        cfg.capacity,
+        512 / cfg.factor.max(1)
+    );
+    s += &format!("{:<24} {:>9} {:>22} {:>26}\n", "routing", "hit rate", "prefill tokens saved", "requests/worker max/mean");
+    for f in &r.fleets {
+        s += &format!(
+            "{:<24} {:>7.1} % {:>22} {:>17} / {:>6.1}\n",
+            f.policy.name(),
+            f.hit_rate * 100.0,
+            f.prefill_tokens_saved,
+            f.requests_per_worker_max,
+            f.requests_per_worker_mean
+        );
+    }
+    s += &format!(
+        "\nkvindex lookups: {} answered, {} failed; round trip p50 {:.0} us, p99 {:.0} us\n",
+        r.lookups, r.lookup_errors, r.lookup_rtt_p50_us, r.lookup_rtt_p99_us
+    );
+    s
+}

@@ -1,0 +1,45 @@
+//! `kvindex demo` in short: the closed loop of router, mock engines and kvindex against a real
+//! nats-server, on the shipped trace. KV-aware routing must beat round-robin and random on
+//! prefix-cache hits, and come as close to the oracle (which reads the caches) as exact
+//! answers allow.
+
+// The CLI's tooling (demo, mock engine, harness), included by path: part of the binary, not
+// library API.
+#[allow(dead_code)]
+#[path = "../src/tools/mod.rs"]
+mod tools;
+
+use tools::demo::{run, DemoConfig, Live, Policy};
+use tools::trace::read_trace_file;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
+    let mut trace = read_trace_file(path.as_ref()).expect("shipped trace");
+    trace.truncate(2000);
+    let cfg = DemoConfig {
+        nats_url: None,
+        kvindex_metrics: None,
+        prefix: "demo".into(),
+        workers: 16,
+        capacity: 16384,
+        factor: 16,
+        // Fast, yet each lookup follows the previous request's events by a few milliseconds.
+        speed: 300.0,
+        load_weight: 1.0,
+        seed: 42,
+        repeat: false,
+        live: Live::Off,
+    };
+    let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs");
+    let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
+    let (kv, oracle, rr, random) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin), rate(Policy::Random));
+    println!("hit rates: kv-aware {kv:.3}, oracle {oracle:.3}, round-robin {rr:.3}, random {random:.3}");
+    assert_eq!(report.requests, 2000);
+    assert_eq!(report.lookups, 2000, "every request was routed with kvindex's answer ({} failed)", report.lookup_errors);
+    assert!(kv > rr * 2.0 && kv > random * 2.0, "kv-aware {kv} does not beat round-robin {rr} and random {random}");
+    // Exact answers route as well as reading the caches, but for the events still in flight.
+    assert!(kv >= oracle * 0.9, "kv-aware {kv} falls short of the oracle {oracle}");
+    let total: f64 = report.fleets[0].requests_per_worker_mean * cfg.workers as f64;
+    assert_eq!(total.round() as u64, 2000);
+}
