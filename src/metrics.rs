@@ -1,5 +1,6 @@
 //! The daemon's Prometheus metrics (`service::http` serves them on `metrics_addr`).
 
+use kvindex_client::protocol::DecodeError;
 use prometheus::{
     Encoder, Gauge, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
     TextEncoder,
@@ -33,6 +34,7 @@ pub struct Metrics {
     pub epochs_changed: IntCounter,
     pub workers_expired: IntCounter,
     pub apply_queue_depth: IntGaugeVec,
+    pub apply_queue_capacity: IntGauge,
     pub lookups: IntCounterVec,
     pub lookup_duration: HistogramVec,
     pub index_placements: IntGauge,
@@ -207,6 +209,11 @@ impl Metrics {
             ),
             workers_expired: counter(&r, "kvindex_workers_expired_total", "Workers dropped after being silent past the TTL."),
             apply_queue_depth,
+            apply_queue_capacity: gauge(
+                &r,
+                "kvindex_apply_queue_capacity",
+                "Batches each apply thread's queue holds before ingest waits (queue_capacity).",
+            ),
             lookup_duration,
             index_placements: gauge(&r, "kvindex_index_blocks", "(worker, block) placements in the index."),
             index_entries: gauge(&r, "kvindex_index_entries", "Distinct (position, prefix) entries in the index."),
@@ -215,6 +222,34 @@ impl Metrics {
             nats_events: counter_vec(&r, "kvindex_nats_events_total", "NATS connection events, by kind.", &["event"]),
             registry: r,
         }
+        .with_known_series()
+    }
+
+    /// Creates every labelled series a dashboard or alert reads, at zero, so that `rate()` and
+    /// panels see them before the first occurrence (a series born at 1 hides its first event).
+    fn with_known_series(self) -> Self {
+        let reasons = DecodeError::ALL.iter().map(|e| e.reason()).chain(["bad_subject", "worker_mismatch", "old_epoch"]);
+        for reason in reasons {
+            self.decode_failures.with_label_values(&[reason]);
+        }
+        for reason in ["registry_full", "max_workers", "max_dp_ranks"] {
+            self.refused_events.with_label_values(&[reason]);
+        }
+        for scope in ["worker", "all"] {
+            self.resync_requests.with_label_values(&[scope]);
+        }
+        for result in ["begun", "complete", "gap"] {
+            self.snapshots.with_label_values(&[result]);
+        }
+        for event in ["connected", "disconnected", "slow_consumer"] {
+            self.nats_events.with_label_values(&[event]);
+        }
+        for tier in ["host", "disk"] {
+            for kind in ["stored", "removed"] {
+                self.non_device_blocks.with_label_values(&[tier, kind]);
+            }
+        }
+        self
     }
 
     /// The Prometheus text exposition of every metric.

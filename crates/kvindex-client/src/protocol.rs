@@ -66,6 +66,18 @@ pub enum DecodeError {
 }
 
 impl DecodeError {
+    /// Every kind, so that a daemon can export each reason's counter from the start.
+    pub const ALL: [DecodeError; 8] = [
+        DecodeError::NotMsgpack,
+        DecodeError::BadBatch,
+        DecodeError::BadEvent,
+        DecodeError::BadEventId,
+        DecodeError::UnknownKind,
+        DecodeError::BadStored,
+        DecodeError::BadRemoved,
+        DecodeError::BadTier,
+    ];
+
     /// Stable label for metrics.
     pub fn reason(self) -> &'static str {
         match self {
