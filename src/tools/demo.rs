@@ -253,7 +253,15 @@ fn delta_quantile(old: &str, new: &str, series: &str, q: f64) -> f64 {
 }
 
 /// The live panel's lines.
-fn panel(prev: &Scrape, now: &Scrape, fleets: &[Fleet], done: u64, total: Option<u64>, started: Instant) -> Vec<String> {
+fn panel(
+    prev: &Scrape,
+    now: &Scrape,
+    fleets: &[Fleet],
+    rtt: &Histogram<u64>,
+    done: u64,
+    total: Option<u64>,
+    started: Instant,
+) -> Vec<String> {
     let dt = now.at.duration_since(prev.at).as_secs_f64().max(1e-3);
     let rate = |name: &str| (sum(&now.text, name) - sum(&prev.text, name)).max(0.0) / dt;
     let lag = delta_quantile(&prev.text, &now.text, "kvindex_event_lag_seconds_bucket{", 0.99);
@@ -271,6 +279,12 @@ fn panel(prev: &Scrape, now: &Scrape, fleets: &[Fleet], done: u64, total: Option
             rate("kvindex_lookups_total"),
             lag * 1e3,
             answer * 1e6,
+        ),
+        format!(
+            "  router    lookup round trip p50 {:.0} us, p99 {:.0} us ({} lookups)",
+            rtt.value_at_quantile(0.5) as f64 / 1e3,
+            rtt.value_at_quantile(0.99) as f64 / 1e3,
+            rtt.len()
         ),
         format!(
             "  index     {:>9.0} blocks   {:>9.0} entries   {:>4.0} workers   {:.0} stale",
@@ -355,7 +369,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
                     _ = tick.tick() => {
                         if cfg.live == Live::Off { continue; }
                         let now = Scrape { at: Instant::now(), text: http_body(&metrics_addr, "/metrics").await };
-                        let lines = panel(&prev, &now, &fleets, done, total, started);
+                        let lines = panel(&prev, &now, &fleets, &rtt, done, total, started);
                         show(cfg.live, &lines, &mut panel_lines, &mut last_line);
                         prev = now;
                     }
