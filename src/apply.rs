@@ -7,6 +7,7 @@ use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{ApplyOutcome, KvIndex};
 use kvindex_core::seeded::{SeededMap, SeededState};
+use kvindex_core::tiers::{OtherTiers, TierWriters};
 use kvindex_core::Event;
 use parking_lot::Mutex;
 use std::hash::BuildHasher;
@@ -45,6 +46,8 @@ pub struct PoolStats {
 /// A fixed pool of apply threads over one index.
 pub struct ApplyPool<I: KvIndex> {
     index: Arc<I>,
+    /// The host and disk tiers' indexes, when kept; without them their events are ignored.
+    others: Option<Arc<OtherTiers<I>>>,
     senders: Vec<Sender<Command>>,
     handles: Vec<JoinHandle<()>>,
     totals: Arc<Vec<Mutex<ApplyOutcome>>>,
@@ -54,8 +57,20 @@ pub struct ApplyPool<I: KvIndex> {
 }
 
 impl<I: KvIndex> ApplyPool<I> {
-    /// Starts `threads` apply threads, each with a queue of `queue_capacity` batches.
+    /// Starts `threads` apply threads, each with a queue of `queue_capacity` batches. Events
+    /// of the host and disk tiers are ignored.
     pub fn new(index: Arc<I>, threads: usize, queue_capacity: usize, on_applied: Option<OnApplied>) -> Self {
+        Self::with_tiers(index, None, threads, queue_capacity, on_applied)
+    }
+
+    /// As [`ApplyPool::new`], applying host and disk events to `others`.
+    pub fn with_tiers(
+        index: Arc<I>,
+        others: Option<Arc<OtherTiers<I>>>,
+        threads: usize,
+        queue_capacity: usize,
+        on_applied: Option<OnApplied>,
+    ) -> Self {
         let threads = threads.max(1);
         let totals: Arc<Vec<Mutex<ApplyOutcome>>> = Arc::new((0..threads).map(|_| Mutex::default()).collect());
         let stats = Arc::new(PoolStats::default());
@@ -64,19 +79,25 @@ impl<I: KvIndex> ApplyPool<I> {
         for t in 0..threads {
             let (tx, rx) = bounded(queue_capacity.max(1));
             senders.push(tx);
-            let (index, totals, stats, hook) = (index.clone(), totals.clone(), stats.clone(), on_applied.clone());
+            let (index, others, totals, stats, hook) =
+                (index.clone(), others.clone(), totals.clone(), stats.clone(), on_applied.clone());
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-apply-{t}"))
-                .spawn(move || apply_loop(&*index, rx, &totals[t], &stats, hook))
+                .spawn(move || apply_loop(&*index, others.as_deref(), rx, &totals[t], &stats, hook))
                 .expect("spawning an apply thread");
             handles.push(handle);
         }
-        ApplyPool { index, senders, handles, totals, stats, spread: SeededState::default() }
+        ApplyPool { index, others, senders, handles, totals, stats, spread: SeededState::default() }
     }
 
     /// The index the pool writes to.
     pub fn index(&self) -> &Arc<I> {
         &self.index
+    }
+
+    /// The host and disk tiers' indexes, if kept.
+    pub fn others(&self) -> Option<&Arc<OtherTiers<I>>> {
+        self.others.as_ref()
     }
 
     fn thread_of(&self, worker: WorkerId) -> usize {
@@ -163,21 +184,28 @@ impl<I: KvIndex> ApplyPool<I> {
     }
 }
 
+/// A worker's write state: its device writer, and its host and disk writers when it has some.
+struct Writers<W> {
+    device: W,
+    others: TierWriters<W>,
+}
+
 fn apply_loop<I: KvIndex>(
     index: &I,
+    others: Option<&OtherTiers<I>>,
     rx: Receiver<Command>,
     total: &Mutex<ApplyOutcome>,
     stats: &PoolStats,
     hook: Option<OnApplied>,
 ) {
-    let mut writers: SeededMap<WorkerId, I::Writer> = SeededMap::default();
+    let mut writers: SeededMap<WorkerId, Writers<I::Writer>> = SeededMap::default();
     for cmd in rx {
         match cmd {
             Command::Apply { worker, events, tag } => {
                 let w = match writers.entry(worker) {
                     std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
                     std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
-                        Ok(w) => v.insert(w),
+                        Ok(w) => v.insert(Writers { device: w, others: TierWriters::default() }),
                         Err(_) => {
                             // Reported, not logged here: the hook counts it and logs at a
                             // bounded rate (a flood of new workers must not flood the log).
@@ -192,7 +220,16 @@ fn apply_loop<I: KvIndex>(
                 };
                 let mut out = ApplyOutcome::default();
                 for ev in &events {
-                    out.add(&ev.apply_to(index, w));
+                    out.add(&ev.apply_to(index, &mut w.device));
+                    if let Some(others) = others {
+                        let tier = match ev {
+                            Event::Cleared => others.clear(&mut w.others),
+                            _ => others.apply(worker, &mut w.others, ev),
+                        };
+                        // Another tier's counts are its own: only refusals and orphans are told.
+                        out.refused += tier.refused;
+                        out.tier_unplaceable += tier.unplaceable;
+                    }
                 }
                 total.lock().add(&out);
                 stats.batches.fetch_add(1, Ordering::Relaxed);
@@ -202,7 +239,10 @@ fn apply_loop<I: KvIndex>(
             }
             Command::RemoveWorker(worker) => {
                 if let Some(w) = writers.remove(&worker) {
-                    let out = index.remove_worker(w);
+                    let out = index.remove_worker(w.device);
+                    if let Some(others) = others {
+                        others.remove_worker(w.others);
+                    }
                     total.lock().add(&out);
                 }
             }

@@ -35,6 +35,8 @@ pub struct Metrics {
     pub workers_expired: IntCounter,
     pub apply_queue_depth: IntGaugeVec,
     pub apply_queue_capacity: IntGauge,
+    pub tier_blocks: IntGaugeVec,
+    pub tier_unplaceable_blocks: IntCounter,
     pub lookups: IntCounterVec,
     pub lookup_duration: HistogramVec,
     pub index_placements: IntGauge,
@@ -110,6 +112,12 @@ impl Metrics {
             IntGaugeVec::new(Opts::new("kvindex_apply_queue_depth", "Batches waiting per apply thread."), &["thread"])
                 .expect("valid metric");
         r.register(Box::new(apply_queue_depth.clone())).expect("unique metric");
+        let tier_blocks = IntGaugeVec::new(
+            Opts::new("kvindex_tier_blocks", "(worker, block) placements in the host and disk tiers' indexes."),
+            &["tier"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(tier_blocks.clone())).expect("unique metric");
         let events_applied = counter_vec(&r, "kvindex_events_applied_total", "KV events applied, by kind.", &["kind"]);
         let blocks_applied =
             counter_vec(&r, "kvindex_blocks_applied_total", "Blocks stored or removed in the index, by kind.", &["kind"]);
@@ -209,6 +217,12 @@ impl Metrics {
             ),
             workers_expired: counter(&r, "kvindex_workers_expired_total", "Workers dropped after being silent past the TTL."),
             apply_queue_depth,
+            tier_blocks,
+            tier_unplaceable_blocks: counter(
+                &r,
+                "kvindex_tier_unplaceable_blocks_total",
+                "Host or disk blocks whose parent the worker does not hold in that tier (not placed there; the worker stays whole).",
+            ),
             apply_queue_capacity: gauge(
                 &r,
                 "kvindex_apply_queue_capacity",
@@ -248,6 +262,7 @@ impl Metrics {
             for kind in ["stored", "removed"] {
                 self.non_device_blocks.with_label_values(&[tier, kind]);
             }
+            self.tier_blocks.with_label_values(&[tier]);
         }
         self
     }

@@ -149,7 +149,11 @@ async fn a_chain_past_max_depth_is_ignored_without_a_resync_storm() {
         "the two blocks past the limit and the two under them are counted as too deep"
     );
     let m = matches(&c, &[1, 2, 3, 4, 5, 6, 7, 8]).await;
-    assert_eq!(m, vec![MatchEntry { worker_id: 5, dp_rank: 0, blocks: 4, stale: false }], "whole, not stale");
+    assert_eq!(
+        m,
+        vec![MatchEntry { worker_id: 5, dp_rank: 0, blocks: 4, stale: false, tiers: Default::default() }],
+        "whole, not stale"
+    );
     assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 0.0);
     assert_eq!(d.metric("kvindex_resync_requests_total{scope=\"worker\"}").await, 0.0, "nothing to resync");
     d.stop().await.unwrap();
@@ -171,7 +175,10 @@ async fn the_resync_backoff_holds_while_a_publisher_keeps_sending_what_cannot_be
     // Backoff from 1 s, doubling: about three requests in three seconds (one per batch before).
     assert!((1.0..=5.0).contains(&asked), "{asked} resync requests for 30 unplaceable batches");
     assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 30.0);
-    assert_eq!(matches(&c, &[1]).await, vec![MatchEntry { worker_id: 6, dp_rank: 0, blocks: 1, stale: true }]);
+    assert_eq!(
+        matches(&c, &[1]).await,
+        vec![MatchEntry { worker_id: 6, dp_rank: 0, blocks: 1, stale: true, tiers: Default::default() }]
+    );
     d.stop().await.unwrap();
 }
 

@@ -35,7 +35,7 @@ async fn ranked_answers_by_tokens_and_hashes() {
     let _b = engine(&client, 2, 1, &tokens, 6, None).await;
     let _lora = engine(&client, 3, 0, &tokens, 8, Some("sql-adapter")).await;
     let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(5));
-    let m = |worker_id, dp_rank, blocks| MatchEntry { worker_id, dp_rank, blocks, stale: false };
+    let m = |worker_id, dp_rank, blocks| MatchEntry { worker_id, dp_rank, blocks, stale: false, tiers: Default::default() };
 
     let base = Query::tokens(&tokens, BLOCK);
     let got = eventually(10, || async { lookups.lookup(&base).await.ok().map(|a| a.matches).filter(|v| v.len() == 2) }).await;

@@ -50,7 +50,7 @@ async fn each_party_can_do_its_job_and_nothing_else() {
     let router = connect(&url, "router", "r-secret").await;
     let lookups = LookupClient::new(router.clone(), "kv").with_timeout(Duration::from_secs(2));
     let q = Query::hashes(&[LocalHash(1), LocalHash(2)]);
-    let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false }];
+    let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default() }];
     let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
     assert!(seen.is_some(), "kvindex, engine and router work under their roles");
 

@@ -12,6 +12,11 @@ fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> St
     m.index_placements.set(stats.placements as i64);
     m.index_entries.set(stats.entries as i64);
     m.index_workers.set(stats.workers as i64);
+    if let Some(others) = pool.others() {
+        for (tier, index) in others.each() {
+            m.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
+        }
+    }
     for (t, depth) in pool.queue_depths().into_iter().enumerate() {
         m.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);
     }

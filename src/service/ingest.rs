@@ -167,15 +167,13 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
             opened = true;
         }
         match &ev.data {
-            // Host and disk copies are kept out of the device index: a removal there must not
-            // drop the device copy, and a store there is not a GPU hit.
+            // Host and disk copies go to their tier's own index (the apply pool routes them):
+            // a removal there must not drop the device copy, and a store there is no GPU hit.
             Event::Stored { tier, blocks, .. } if *tier != Tier::Device => {
                 m.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
-                continue;
             }
             Event::Removed { tier, hashes } if *tier != Tier::Device => {
                 m.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
-                continue;
             }
             Event::Stored { .. } => m.hot.events_stored.inc(),
             Event::Removed { .. } => m.hot.events_removed.inc(),

@@ -5,8 +5,10 @@ use super::State;
 use crate::apply::ApplyPool;
 use async_nats::Client;
 use futures::StreamExt;
-use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, WorkerRef};
+use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, TierDepths, WorkerRef};
 use kvindex_core::index::{KvIndex, MatchOptions};
+use kvindex_core::tiers::{find_tiered, OtherTiers, TieredMatch};
+use kvindex_core::Tier;
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -15,8 +17,9 @@ use std::time::Instant;
 /// Matches in an answer unless the request says otherwise: deepest first, so a router that
 /// picks among the best never misses one.
 const DEFAULT_MAX_MATCHES: usize = 64;
-/// Upper bound of one encoded match or stale worker, and of the answer's envelope (bytes).
-const ENTRY_BYTES: usize = 64;
+/// Upper bound of one encoded match (with both tiers' depths) or stale worker, and of the
+/// answer's envelope (bytes).
+const ENTRY_BYTES: usize = 96;
 
 /// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
 fn entries_that_fit(max_payload: usize) -> usize {
@@ -31,6 +34,7 @@ pub(super) async fn lookup_membership<I: KvIndex>(
     client: Client,
     state: Arc<State>,
     index: Arc<I>,
+    others: Arc<OtherTiers<I>>,
     pool: Arc<ApplyPool<I>>,
     subscribers: usize,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -69,7 +73,10 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         let (leave, left) = tokio::sync::watch::channel(false);
         let tasks: Vec<_> = subs
             .into_iter()
-            .map(|sub| tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), index.clone(), room, left.clone())))
+            .map(|sub| {
+                let (index, others) = (index.clone(), others.clone());
+                tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), index, others, room, left.clone()))
+            })
             .collect();
         let stopping = tokio::select! {
             _ = async { ready.wait_for(|r| !*r).await.map(|_| ()) } => false,
@@ -95,6 +102,7 @@ pub(super) async fn serve_lookups<I: KvIndex>(
     mut lookups: async_nats::Subscriber,
     state: Arc<State>,
     index: Arc<I>,
+    others: Arc<OtherTiers<I>>,
     room: usize,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -102,7 +110,7 @@ pub(super) async fn serve_lookups<I: KvIndex>(
         tokio::select! {
             _ = stop.changed() => break,
             msg = lookups.next() => match msg {
-                Some(msg) => answer(&client, &state, &*index, room, msg).await,
+                Some(msg) => answer(&client, &state, &*index, &others, room, msg).await,
                 None => break,
             },
         }
@@ -114,22 +122,39 @@ pub(super) async fn serve_lookups<I: KvIndex>(
 /// Answers one lookup request; an undecodable request gets an `error` reply. The answer is
 /// bounded: at most `max_matches` matches and, with the stale workers, never more than one
 /// NATS message holds (`room` entries).
-async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, room: usize, msg: async_nats::Message) {
+async fn answer<I: KvIndex>(
+    client: &Client,
+    state: &State,
+    index: &I,
+    others: &OtherTiers<I>,
+    room: usize,
+    msg: async_nats::Message,
+) {
     let start = Instant::now();
-    let (resp, ok) = match LookupRequest::decode(&msg.payload) {
-        Ok(req) => {
+    let (resp, ok) = match LookupRequest::decode(&msg.payload).and_then(|req| check(state, req)) {
+        Ok((req, tiers)) => {
             let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
             let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
-            let mut found = index.find_matches(&query, &opts);
+            let mut found: Vec<TieredMatch> = if tiers == [Tier::Device] {
+                index
+                    .find_matches(&query, &opts)
+                    .into_iter()
+                    .map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() })
+                    .collect()
+            } else {
+                find_tiered(index, others, &tiers, &query, &opts)
+            };
             found.truncate(limit);
+            let asked = |t: Tier, depth: u32| tiers.contains(&t).then_some(depth);
             let matches: Vec<MatchEntry> = found
                 .iter()
                 .map(|m| MatchEntry {
                     worker_id: m.worker.worker_id,
                     dp_rank: m.worker.dp_rank,
-                    blocks: m.blocks,
+                    blocks: m.device,
                     stale: state.stale.contains_key(&m.worker),
+                    tiers: TierDepths { host: asked(Tier::Host, m.host), disk: asked(Tier::Disk, m.disk) },
                 })
                 .collect();
             let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());
@@ -153,14 +178,20 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, index: &I, room: usi
     duration.observe(start.elapsed().as_secs_f64());
 }
 
+/// The limits a request must keep, and its tiers: a `workers` filter longer than the workers
+/// this daemon can track is refused (its cost would be the router's choice).
+fn check(state: &State, req: LookupRequest) -> Result<(LookupRequest, Vec<Tier>), String> {
+    let max = state.cfg.max_workers as usize;
+    if req.workers.as_ref().is_some_and(|w| w.len() > max) {
+        return Err(format!("workers filter longer than {max} (max_workers)"));
+    }
+    let tiers = req.tier_list()?;
+    Ok((req, tiers))
+}
+
 /// Stale workers (within the request's worker filter) that are not among the matches, at
 /// most `room`.
-fn stale_without_match(
-    state: &State,
-    found: &[kvindex_core::WorkerMatch],
-    filter: Option<&[u64]>,
-    room: usize,
-) -> Vec<WorkerRef> {
+fn stale_without_match(state: &State, found: &[TieredMatch], filter: Option<&[u64]>, room: usize) -> Vec<WorkerRef> {
     if state.stale.is_empty() || room == 0 {
         return Vec::new();
     }
@@ -187,7 +218,8 @@ mod tests {
     fn a_full_answer_fits_in_one_message() {
         for max_payload in [4096usize, 1 << 20, 8 << 20] {
             let n = entries_that_fit(max_payload);
-            let widest = MatchEntry { worker_id: u64::MAX, dp_rank: u32::MAX, blocks: u32::MAX, stale: true };
+            let tiers = TierDepths { host: Some(u32::MAX), disk: Some(u32::MAX) };
+            let widest = MatchEntry { worker_id: u64::MAX, dp_rank: u32::MAX, blocks: u32::MAX, stale: true, tiers };
             let stale = WorkerRef { worker_id: u64::MAX, dp_rank: u32::MAX };
             for split in [0, n / 2, n] {
                 let answer =

@@ -25,6 +25,7 @@ use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::{Backend, KvIndex};
+use kvindex_core::tiers::OtherTiers;
 use parking_lot::Mutex;
 use recovery::{Readiness, Resync};
 use std::collections::HashMap;
@@ -182,13 +183,12 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
     }
     match cfg.backend {
         Backend::Positional => {
-            let idx =
-                PositionalIndex::new(PositionalConfig { jump: cfg.jump, max_depth: cfg.max_depth, max_workers: cfg.max_workers });
-            run(cfg, idx, shutdown).await
+            let index_cfg = PositionalConfig { jump: cfg.jump, max_depth: cfg.max_depth, max_workers: cfg.max_workers };
+            run(cfg, move || PositionalIndex::new(index_cfg), shutdown).await
         }
         Backend::Radix => {
-            let idx = RadixIndex::new(cfg.max_depth, cfg.max_workers);
-            run(cfg, idx, shutdown).await
+            let (depth, workers) = (cfg.max_depth, cfg.max_workers);
+            run(cfg, move || RadixIndex::new(depth, workers), shutdown).await
         }
         Backend::Reference => anyhow::bail!("configuration: backend: the reference model is for tests, not for serving"),
     }
@@ -224,10 +224,12 @@ async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::
     opts.connect(cfg.nats_url.as_str()).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
 }
 
-async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+/// Serves with indexes made by `make`: the device index, and one for each other tier.
+async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     metrics.apply_queue_capacity.set(cfg.queue_capacity as i64);
-    let index = Arc::new(index);
+    let index = Arc::new(make());
+    let others = Arc::new(OtherTiers::new(&make));
     let (resync_tx, resync_rx) = mpsc::unbounded_channel();
     let state = Arc::new(State {
         metrics: metrics.clone(),
@@ -253,6 +255,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
             // Past max_depth: ignored and counted, the worker stays whole (a resync would
             // bring the same chain back).
             m.too_deep_blocks.inc_by(out.too_deep);
+            // Host or disk chains whose parent is not in that tier: counted, never stale.
+            m.tier_unplaceable_blocks.inc_by(out.tier_unplaceable);
             if out.refused > 0 {
                 m.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
                 let max = state.cfg.max_workers;
@@ -271,7 +275,8 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
             }
         })
     };
-    let pool = Arc::new(ApplyPool::new(index.clone(), cfg.apply_threads(), cfg.queue_capacity, Some(hook)));
+    let pool =
+        Arc::new(ApplyPool::with_tiers(index.clone(), Some(others.clone()), cfg.apply_threads(), cfg.queue_capacity, Some(hook)));
 
     let http = tokio::net::TcpListener::bind(&cfg.metrics_addr)
         .await
@@ -316,6 +321,7 @@ async fn run<I: KvIndex>(cfg: Config, index: I, shutdown: impl Future<Output = (
         lookup_client.clone(),
         state.clone(),
         index.clone(),
+        others.clone(),
         pool.clone(),
         subscribers,
         stopped,

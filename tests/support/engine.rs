@@ -165,7 +165,13 @@ pub fn all_queries(depth: usize) -> Vec<Vec<u64>> {
 pub fn truth<'a>(engines: impl IntoIterator<Item = &'a ModelEngine>, q: &[u64]) -> Vec<MatchEntry> {
     let mut m: Vec<MatchEntry> = engines
         .into_iter()
-        .map(|e| MatchEntry { worker_id: e.worker_id, dp_rank: 0, blocks: e.prefix_len(q), stale: false })
+        .map(|e| MatchEntry {
+            worker_id: e.worker_id,
+            dp_rank: 0,
+            blocks: e.prefix_len(q),
+            stale: false,
+            tiers: Default::default(),
+        })
         .filter(|m| m.blocks > 0)
         .collect();
     m.sort_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker_id.cmp(&b.worker_id)));

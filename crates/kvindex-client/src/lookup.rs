@@ -65,6 +65,14 @@ impl Query {
         self
     }
 
+    /// Match in these tiers too (device alone by default): each match then carries its host
+    /// and disk depths in [`MatchEntry::tiers`], and a worker holding the prefix only off the
+    /// GPU is listed with `blocks` 0.
+    pub fn in_tiers(mut self, tiers: &[kvindex_core::Tier]) -> Query {
+        self.request.tiers = Some(tiers.iter().map(|t| t.as_str().to_string()).collect());
+        self
+    }
+
     /// At most `n` matches, deepest first (kvindex's default is 64).
     pub fn max_matches(mut self, n: u32) -> Query {
         self.request.max_matches = Some(n);

@@ -628,6 +628,10 @@ pub struct LookupRequest {
     /// in one NATS message).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_matches: Option<u32>,
+    /// Tiers to match in: `device` (the default), `host`, `disk`. Device depth is a match's
+    /// `blocks`; the others come in its `tiers`. A worker matching in any asked tier is listed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tiers: Option<Vec<String>>,
 }
 
 /// A 64-bit hash sent as an unsigned or a signed (two's complement) msgpack integer.
@@ -661,6 +665,7 @@ impl LookupRequest {
     /// Decodes and checks a request; the error text goes back to the router.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let req: LookupRequest = rmp_serde::from_slice(bytes).map_err(|e| format!("undecodable lookup request: {e}"))?;
+        req.tier_list()?;
         match (&req.block_hashes, &req.tokens, req.block_size) {
             (Some(_), None, _) => Ok(req),
             (None, Some(_), Some(bs)) if bs > 0 => Ok(req),
@@ -668,6 +673,23 @@ impl LookupRequest {
             (Some(_), Some(_), _) => Err("give block_hashes or tokens, not both".into()),
             (None, None, _) => Err("give block_hashes or tokens".into()),
         }
+    }
+
+    /// The tiers asked for, in order, without repeats (device when none is named); an error
+    /// names a tier that is not `device`, `host` or `disk`.
+    pub fn tier_list(&self) -> Result<Vec<Tier>, String> {
+        let Some(names) = &self.tiers else { return Ok(vec![Tier::Device]) };
+        if names.is_empty() {
+            return Err("tiers is empty: name device, host or disk".into());
+        }
+        let mut out = Vec::with_capacity(3);
+        for n in names {
+            let t = Tier::parse(n.as_bytes()).ok_or_else(|| format!("unknown tier {n:?}: use device, host or disk"))?;
+            if !out.contains(&t) {
+                out.push(t);
+            }
+        }
+        Ok(out)
     }
 
     /// The local hashes to match, at most `limit` (blocks past the index's depth limit can
@@ -696,6 +718,28 @@ pub struct MatchEntry {
     pub blocks: u32,
     /// The worker's state is being resynchronised; its answer may be out of date.
     pub stale: bool,
+    /// Depths in the host and disk tiers, for a request that asked for them (`tiers`).
+    #[serde(default, skip_serializing_if = "TierDepths::is_empty")]
+    pub tiers: TierDepths,
+}
+
+/// A worker's contiguous match depth in the host and disk tiers; a tier the request did not
+/// ask for is absent. Device is [`MatchEntry::blocks`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierDepths {
+    /// Blocks of the prefix held in host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<u32>,
+    /// Blocks of the prefix held on disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk: Option<u32>,
+}
+
+impl TierDepths {
+    /// Neither tier asked for.
+    pub fn is_empty(&self) -> bool {
+        self.host.is_none() && self.disk.is_none()
+    }
 }
 
 /// A worker and rank, as named in a lookup answer's `stale_workers`.
@@ -965,7 +1009,7 @@ mod tests {
 
     #[test]
     fn responses_are_msgpack_maps() {
-        let one = vec![MatchEntry { worker_id: 3, dp_rank: 0, blocks: 9, stale: false }];
+        let one = vec![MatchEntry { worker_id: 3, dp_rank: 0, blocks: 9, stale: false, tiers: Default::default() }];
         let ok = LookupResponse::Matches { matches: one.clone(), stale_workers: vec![] };
         let v = rmpv::decode::read_value(&mut &ok.encode()[..]).unwrap();
         let matches = field(v.as_map().unwrap(), "matches").unwrap().as_array().unwrap();

@@ -4,8 +4,9 @@
 use crate::hash::{BlockHash, StoredBlock};
 use crate::index::{ApplyOutcome, KvIndex};
 
-/// Where a block is cached. Only `Device` blocks take part in lookups; the others are kept
-/// apart so that a block offloaded to host memory never counts as a GPU hit.
+/// Where a block is cached. Lookups match `Device` blocks unless they ask for other tiers;
+/// each tier is indexed apart ([`crate::tiers`]) so that a block offloaded to host memory
+/// never counts as a GPU hit.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum Tier {
     /// GPU memory: the blocks a lookup matches.
@@ -87,7 +88,7 @@ impl Event {
     }
 
     /// Applies this event to `index` through the worker's writer. The index holds the device
-    /// tier: events of other tiers change nothing here (the caller counts them).
+    /// tier: events of other tiers change nothing here ([`crate::tiers::OtherTiers`] keeps them).
     pub fn apply_to<I: KvIndex>(&self, index: &I, w: &mut I::Writer) -> ApplyOutcome {
         match self {
             Event::Stored { parent, blocks, tier: Tier::Device } => index.store(w, *parent, blocks),

@@ -13,6 +13,7 @@
 //! - [`seeded`]: hashing keyed with a per-process random seed, for every table keyed by
 //!   values that publishers or routers choose (hash-flooding resistance).
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
+//! - [`tiers`]: host and disk tiers, each with an index of its own beside the device index.
 //! - [`index`]: the [`KvIndex`] trait and its backends: [`PositionalIndex`] (the default),
 //!   [`RadixIndex`] and the [`ReferenceIndex`] model the tests compare both against.
 //!
@@ -50,6 +51,7 @@ pub mod event;
 pub mod hash;
 pub mod index;
 pub mod seeded;
+pub mod tiers;
 pub mod workers;
 
 pub use event::{Event, Tier};

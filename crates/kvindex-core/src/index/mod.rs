@@ -38,6 +38,9 @@ pub struct ApplyOutcome {
     pub too_deep: u64,
     /// Events not applied because the worker could not be tracked (every slot taken).
     pub refused: u64,
+    /// Host or disk blocks whose parent the worker does not hold in that tier: not placed
+    /// there, and no sign that the worker's device state is off (see [`crate::tiers`]).
+    pub tier_unplaceable: u64,
 }
 
 impl ApplyOutcome {
@@ -51,6 +54,7 @@ impl ApplyOutcome {
         self.unplaceable += other.unplaceable;
         self.too_deep += other.too_deep;
         self.refused += other.refused;
+        self.tier_unplaceable += other.tier_unplaceable;
     }
 }
 
