@@ -119,7 +119,8 @@ struct Block {
 }
 
 struct Inner {
-    blocks: FxHashMap<BlockHash, Block>,
+    /// The blocks held, per tier (device, host, disk): what a snapshot sends.
+    blocks: [FxHashMap<BlockHash, Block>; 3],
     next_id: u64,
     /// Encoded events of the batch being filled.
     pending: Vec<u8>,
@@ -173,7 +174,7 @@ impl Publisher {
         let subject: Subject = format!("{}.events.{}", cfg.prefix, cfg.worker_id).into();
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
-                blocks: FxHashMap::default(),
+                blocks: Default::default(),
                 next_id: 0,
                 pending: Vec::with_capacity(max_message),
                 pending_events: 0,
@@ -199,41 +200,49 @@ impl Publisher {
     /// The engine cached `blocks`, a chain under `parent` (`None`: from the first position).
     /// A chain too long for one message goes out as several events, each under the last.
     pub fn stored(&self, parent: Option<BlockHash>, blocks: &[StoredBlock]) {
+        self.stored_in(Tier::Device, parent, blocks);
+    }
+
+    /// As [`Publisher::stored`], in `tier` (blocks offloaded to host memory or disk).
+    pub fn stored_in(&self, tier: Tier, parent: Option<BlockHash>, blocks: &[StoredBlock]) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
         let mut prev = parent;
         for b in blocks {
-            inner.blocks.insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash });
+            inner.blocks[tier as usize].insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash });
             prev = Some(b.block_hash);
         }
         let mut parent = parent;
         for piece in blocks.chunks(s.max_event_blocks) {
-            s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), |out, id| {
-                write_stored(out, id, parent, piece, Tier::Device)
-            });
+            s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), |out, id| write_stored(out, id, parent, piece, tier));
             parent = piece.last().map(|b| b.block_hash);
         }
     }
 
     /// The engine evicted `hashes` (several events if they do not fit one message).
     pub fn removed(&self, hashes: &[BlockHash]) {
+        self.removed_in(Tier::Device, hashes);
+    }
+
+    /// As [`Publisher::removed`], from `tier` only: the other tiers' copies stay.
+    pub fn removed_in(&self, tier: Tier, hashes: &[BlockHash]) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
         for h in hashes {
-            inner.blocks.remove(h);
+            inner.blocks[tier as usize].remove(h);
         }
         for piece in hashes.chunks(s.max_event_hashes) {
-            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| {
-                write_removed(out, id, piece, Tier::Device)
-            });
+            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_removed(out, id, piece, tier));
         }
     }
 
-    /// The engine dropped every block (e.g. a cache reset).
+    /// The engine dropped every block, in every tier (e.g. a cache reset).
     pub fn cleared(&self) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
-        inner.blocks.clear();
+        for tier in inner.blocks.iter_mut() {
+            tier.clear();
+        }
         s.push(&mut inner, REMOVED_OVERHEAD, write_cleared);
     }
 
@@ -272,9 +281,9 @@ impl Publisher {
         self.shared.cfg.epoch
     }
 
-    /// Blocks the worker holds now.
+    /// Blocks the worker holds now on the device.
     pub fn len(&self) -> usize {
-        self.shared.inner.lock().blocks.len()
+        self.shared.inner.lock().blocks[Tier::Device as usize].len()
     }
 
     /// No block is held.
@@ -396,9 +405,24 @@ impl Shared {
         write_cleared(&mut inner.pending, id);
         inner.pending_events = 1;
 
+        let mut sent = 0;
+        let mut held = 0;
+        for tier in [Tier::Device, Tier::Host, Tier::Disk] {
+            held += inner.blocks[tier as usize].len();
+            sent += self.snapshot_tier(inner, tier);
+        }
+        self.send_pending(inner, true, true);
+        let orphans = (held - sent) as u64;
+        self.counters.orphans_skipped.fetch_add(orphans, Ordering::Relaxed);
+        self.counters.snapshots.fetch_add(1, Ordering::Relaxed);
+        sent
+    }
+
+    /// One tier's chains into the snapshot, parents before children; the blocks sent.
+    fn snapshot_tier(&self, inner: &mut Inner, tier: Tier) -> usize {
         let mut children: FxHashMap<BlockHash, Vec<BlockHash>> = FxHashMap::default();
         let mut stack: Vec<(Option<BlockHash>, BlockHash)> = Vec::new();
-        for (&h, b) in &inner.blocks {
+        for (&h, b) in &inner.blocks[tier as usize] {
             match b.parent {
                 None => stack.push((None, h)),
                 Some(p) => children.entry(p).or_default().push(h),
@@ -410,7 +434,7 @@ impl Shared {
             chain.clear();
             let mut cur = start;
             loop {
-                chain.push(StoredBlock { block_hash: cur, tokens_hash: inner.blocks[&cur].tokens_hash });
+                chain.push(StoredBlock { block_hash: cur, tokens_hash: inner.blocks[tier as usize][&cur].tokens_hash });
                 match children.get(&cur).map(Vec::as_slice) {
                     Some([first, rest @ ..]) => {
                         stack.extend(rest.iter().map(|&k| (Some(cur), k)));
@@ -432,16 +456,12 @@ impl Shared {
                 let (piece, tail) = rest.split_at(room.min(rest.len()));
                 let id = inner.next_id;
                 inner.next_id += 1;
-                write_stored(&mut inner.pending, id, parent, piece, Tier::Device);
+                write_stored(&mut inner.pending, id, parent, piece, tier);
                 inner.pending_events += 1;
                 parent = piece.last().map(|b| b.block_hash);
                 rest = tail;
             }
         }
-        self.send_pending(inner, true, true);
-        let orphans = (inner.blocks.len() - sent) as u64;
-        self.counters.orphans_skipped.fetch_add(orphans, Ordering::Relaxed);
-        self.counters.snapshots.fetch_add(1, Ordering::Relaxed);
         sent
     }
 
