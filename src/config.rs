@@ -67,6 +67,65 @@ pub struct Config {
     /// Seconds a shutdown may take to apply queued events and answer lookups in flight; past
     /// it the process exits anyway (a pod must not hang terminating while NATS is away).
     pub shutdown_grace: u64,
+    /// `kvindex bridge`'s own settings (the `[bridge]` table); the bridge shares the NATS
+    /// settings above. Not serialized, so it is no key of the serve layers.
+    #[serde(default, skip_serializing)]
+    pub bridge: BridgeSettings,
+}
+
+/// What `kvindex bridge` is told beyond the NATS settings it shares with `serve`. Layers:
+/// defaults < the file's `[bridge]` table < `KVINDEX_BRIDGE_*` environment < flags.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BridgeSettings {
+    /// The engine's ZMQ PUB endpoint (rank 0); rank r publishes on its port + r.
+    pub zmq: String,
+    /// The engine's ZMQ ROUTER for replay (rank 0; rank r on its port + r); none: a gap
+    /// cannot be replayed and starts a new epoch instead.
+    pub replay: Option<String>,
+    /// The worker id the engine's blocks are published under.
+    pub worker_id: u64,
+    /// The engine's data-parallel ranks, one ZMQ endpoint each.
+    pub dp_ranks: Vec<u32>,
+    /// Tokens per block, for events that do not carry `block_size`.
+    pub block_size: Option<u32>,
+    /// Where the bridge serves `/metrics`, `/healthz` and `/readyz`.
+    pub metrics_addr: String,
+    /// Milliseconds to wait for each replayed batch before giving the replay up.
+    pub replay_timeout_ms: u64,
+}
+
+impl Default for BridgeSettings {
+    fn default() -> Self {
+        BridgeSettings {
+            zmq: "tcp://127.0.0.1:5557".into(),
+            replay: None,
+            worker_id: 0,
+            dp_ranks: vec![0],
+            block_size: None,
+            metrics_addr: "0.0.0.0:9465".into(),
+            replay_timeout_ms: 2000,
+        }
+    }
+}
+
+impl BridgeSettings {
+    /// Lays the `KVINDEX_BRIDGE_*` environment (lists as `[0,1]`) and the flags over `self`
+    /// (the file's table).
+    pub fn layered(self, flags: &BridgeOverrides) -> Result<BridgeSettings, String> {
+        let cfg: BridgeSettings = Figment::from(Serialized::defaults(self))
+            .merge(Env::prefixed("KVINDEX_BRIDGE_"))
+            .merge(Serialized::defaults(flags))
+            .extract()
+            .map_err(|e| e.into_iter().map(|e| format!("configuration: bridge: {e}")).collect::<Vec<_>>().join("; "))?;
+        if cfg.dp_ranks.is_empty() || cfg.dp_ranks.len() > 1024 {
+            return Err("configuration: bridge: dp_ranks: 1 to 1024 ranks".into());
+        }
+        if cfg.metrics_addr.parse::<std::net::SocketAddr>().is_err() {
+            return Err("configuration: bridge: metrics_addr: must be host:port with an IP address".into());
+        }
+        Ok(cfg)
+    }
 }
 
 impl Default for Config {
@@ -99,8 +158,26 @@ impl Default for Config {
             nats_tls_key: None,
             nats_require_tls: false,
             shutdown_grace: 10,
+            bridge: BridgeSettings::default(),
         }
     }
+}
+
+/// `kvindex bridge` flags; `None` leaves the lower layers' value.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct BridgeOverrides {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub zmq: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub replay: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_id: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub dp_ranks: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub metrics_addr: Option<String>,
 }
 
 /// Values given on the command line; `None` leaves the lower layers' value.
@@ -225,6 +302,29 @@ mod tests {
             assert_eq!(cfg.jump, 11);
             assert_eq!(cfg.worker_ttl, 7);
             assert_eq!(cfg.nats_url, "nats://127.0.0.1:4222");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn bridge_settings_layer_file_env_flags() {
+        Jail::expect_with(|jail| {
+            jail.create_file(
+                "b.toml",
+                "prefix = \"p\"\n[bridge]\nzmq = \"tcp://engine:5557\"\nworker_id = 3\ndp_ranks = [0, 1]\n",
+            )?;
+            jail.set_env("KVINDEX_BRIDGE_WORKER_ID", "4");
+            jail.set_env("KVINDEX_BRIDGE_DP_RANKS", "[0,1,2]");
+            let cfg =
+                Config::load(Some(Path::new("b.toml")), Config::env(), &Overrides::default()).map_err(figment::Error::from)?;
+            assert_eq!((cfg.prefix.as_str(), cfg.bridge.worker_id), ("p", 3), "the file's table");
+            let flags = BridgeOverrides { block_size: Some(16), ..Default::default() };
+            let b = cfg.bridge.layered(&flags).map_err(figment::Error::from)?;
+            assert_eq!(b.zmq, "tcp://engine:5557");
+            assert_eq!((b.worker_id, b.dp_ranks, b.block_size), (4, vec![0, 1, 2], Some(16)));
+            jail.create_file("typo.toml", "[bridge]\nzmq_url = \"x\"\n")?;
+            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            assert!(err.contains("zmq_url"), "{err}");
             Ok(())
         });
     }

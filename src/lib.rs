@@ -10,6 +10,8 @@
 //! - [`apply`]: the apply pool: one thread owns each worker's writes, queues are bounded.
 //! - [`config`]: layered configuration (defaults, file, `KVINDEX_*` environment, flags).
 //! - [`metrics`]: the Prometheus metrics.
+//! - [`bridge`]: `kvindex bridge`: the sidecar that turns an engine's ZMQ KV events (vLLM,
+//!   SGLang, TensorRT-LLM) into kvindex's protocol.
 //!
 //! The index itself is the `kvindex-core` crate; the wire protocol, the publisher and the
 //! lookup client are `kvindex-client`. The binary (`src/main.rs`) is a thin CLI over this
@@ -17,6 +19,7 @@
 //! which is not library API.
 
 pub mod apply;
+pub mod bridge;
 pub mod config;
 pub mod metrics;
 pub mod service;

@@ -28,6 +28,8 @@ struct Cli {
 enum Command {
     /// Run the daemon: ingest KV events from NATS, answer lookups, serve metrics.
     Serve(ServeArgs),
+    /// Beside an engine (vLLM, SGLang, TensorRT-LLM): its ZMQ KV events in, kvindex's protocol out.
+    Bridge(BridgeArgs),
     /// See it work: NATS, the daemon, mock engines and a KV-aware router on a real trace,
     /// with live figures and the hit rate against round-robin and random routing.
     Demo(DemoArgs),
@@ -40,6 +42,41 @@ enum Command {
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
     /// healthcheck that needs no curl).
     Health(HealthArgs),
+}
+
+/// Flags of `bridge`; each overrides the config file's `[bridge]` table and `KVINDEX_BRIDGE_*`.
+#[derive(Args)]
+struct BridgeArgs {
+    /// Config file (default: config/kvindex.toml if present).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The engine's ZMQ PUB endpoint for rank 0 (rank r: port + r).
+    #[arg(long)]
+    zmq: Option<String>,
+    /// The engine's ZMQ ROUTER for replay, rank 0 (rank r: port + r).
+    #[arg(long)]
+    replay: Option<String>,
+    /// Worker id to publish the engine's blocks under.
+    #[arg(long)]
+    worker_id: Option<u64>,
+    /// The engine's data-parallel ranks.
+    #[arg(long, value_delimiter = ',')]
+    dp_ranks: Option<Vec<u32>>,
+    /// Tokens per block, for events without block_size.
+    #[arg(long)]
+    block_size: Option<u32>,
+    /// NATS server(s) [KVINDEX_NATS_URL].
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Subject prefix of kvindex [KVINDEX_PREFIX].
+    #[arg(long)]
+    prefix: Option<String>,
+    /// Address of the bridge's /metrics, /healthz, /readyz.
+    #[arg(long)]
+    metrics_addr: Option<String>,
+    /// Log as JSON lines instead of text.
+    #[arg(long)]
+    log_json: bool,
 }
 
 #[derive(Args)]
@@ -249,10 +286,10 @@ fn main() -> Result<()> {
     if cli.check_args {
         return Ok(());
     }
-    let json = matches!(&cli.cmd, Command::Serve(a) if a.log_json);
+    let json = matches!(&cli.cmd, Command::Serve(a) if a.log_json) || matches!(&cli.cmd, Command::Bridge(a) if a.log_json);
     // The daemon logs its own lifecycle; the benchmarks print tables and log only trouble.
     // RUST_LOG overrides either.
-    let default = if matches!(cli.cmd, Command::Serve(_)) { "info,async_nats=warn" } else { "warn" };
+    let default = if matches!(cli.cmd, Command::Serve(_) | Command::Bridge(_)) { "info,async_nats=warn" } else { "warn" };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
     let logs = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
     if json {
@@ -267,6 +304,7 @@ fn main() -> Result<()> {
         Command::Demo(a) => demo_cmd(a),
         Command::Gen(a) => gen_cmd(a),
         Command::Health(a) => health_cmd(a),
+        Command::Bridge(a) => bridge_cmd(a),
     }
 }
 
@@ -297,6 +335,22 @@ fn e2e_cmd(a: E2eArgs) -> Result<()> {
         print!("{}", tools::e2e::table(&rows));
     }
     Ok(())
+}
+
+fn bridge_cmd(a: BridgeArgs) -> Result<()> {
+    let overrides = Overrides { nats_url: a.nats_url, prefix: a.prefix, ..Overrides::default() };
+    let mut cfg = Config::load(a.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
+    let flags = kvindex::config::BridgeOverrides {
+        zmq: a.zmq,
+        replay: a.replay,
+        worker_id: a.worker_id,
+        dp_ranks: a.dp_ranks,
+        block_size: a.block_size,
+        metrics_addr: a.metrics_addr,
+    };
+    cfg.bridge = cfg.bridge.clone().layered(&flags).map_err(anyhow::Error::msg)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kvindex-bridge").build()?;
+    rt.block_on(kvindex::bridge::run(cfg, shutdown_signal()))
 }
 
 fn health_cmd(a: HealthArgs) -> Result<()> {

@@ -194,9 +194,10 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
     }
 }
 
-async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::Result<Client> {
+/// The NATS options every kvindex connection shares: unlimited reconnects, credentials, TLS.
+async fn nats_options(cfg: &Config, name: &str) -> anyhow::Result<ConnectOptions> {
     let mut opts = ConnectOptions::new()
-        .name("kvindex")
+        .name(name)
         .retry_on_initial_connect()
         .max_reconnects(None)
         .subscription_capacity(cfg.subscription_capacity);
@@ -215,12 +216,22 @@ async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::
     if let (Some(c), Some(k)) = (&cfg.nats_tls_cert, &cfg.nats_tls_key) {
         opts = opts.add_client_certificate(c.into(), k.into());
     }
-    opts = opts.require_tls(cfg.nats_require_tls).event_callback(move |e| {
+    Ok(opts.require_tls(cfg.nats_require_tls))
+}
+
+async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::Result<Client> {
+    let opts = nats_options(cfg, "kvindex").await?.event_callback(move |e| {
         let events = events.clone();
         async move {
             let _ = events.send(e);
         }
     });
+    opts.connect(cfg.nats_url.as_str()).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
+}
+
+/// A NATS connection with `cfg`'s servers, credentials and TLS, named `name` (the bridge's).
+pub async fn connect_nats(cfg: &Config, name: &str) -> anyhow::Result<Client> {
+    let opts = nats_options(cfg, name).await?;
     opts.connect(cfg.nats_url.as_str()).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
 }
 

@@ -161,6 +161,17 @@ pub fn local_hashes(tokens: &[u32], block_size: usize, lora_name: Option<&str>, 
     tokens.chunks_exact(block_size).map(|b| hash_block_tokens(b, seed)).collect()
 }
 
+/// A block's local hash with its extra keys folded in (multimodal content hashes, per-block
+/// LoRA or salt): XXH3-64 (seed 1337) of the local hash's 8 little-endian bytes followed by
+/// `extra`, the canonical msgpack of the block's extra keys. Blocks of the same placeholder
+/// tokens with other images then never match.
+pub fn with_extra_keys(local: LocalHash, extra: &[u8]) -> LocalHash {
+    let mut buf = Vec::with_capacity(8 + extra.len());
+    buf.extend_from_slice(&local.0.to_le_bytes());
+    buf.extend_from_slice(extra);
+    LocalHash(xxh3_64_with_seed(&buf, HASH_SEED))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,138 @@
+//! The bridge's Prometheus metrics, and its HTTP server: `/metrics`, `/healthz` (alive),
+//! `/readyz` (connected to NATS and subscribed to every rank's engine socket).
+
+use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use std::sync::Arc;
+
+/// Every metric the bridge exports.
+pub struct BridgeMetrics {
+    registry: Registry,
+    /// Engine batches decoded and forwarded.
+    pub batches: IntCounter,
+    /// Events forwarded, by kind.
+    pub events: IntCounterVec,
+    /// Blocks in the forwarded stored and removed events.
+    pub blocks: IntCounter,
+    /// Frames, batches or events that could not be decoded, by reason.
+    pub decode_failures: IntCounterVec,
+    /// Valid events not forwarded, by reason (another attention group, remote, ...).
+    pub skipped: IntCounterVec,
+    /// Jumps in an engine's sequence numbers.
+    pub seq_gaps: IntCounter,
+    /// Replays asked of the engine, by result (ok, failed, unavailable).
+    pub replays: IntCounterVec,
+    /// Engine restarts seen (sequence back to an earlier number, or a new topic).
+    pub engine_restarts: IntCounter,
+    /// New epochs started (after a restart or an unhealed gap): kvindex cleared the worker.
+    pub epochs: IntCounter,
+    /// 1 while subscribed to a rank's engine socket.
+    pub zmq_connected: IntGaugeVec,
+    /// 1 while connected to NATS (set when scraped).
+    pub nats_connected: IntGauge,
+}
+
+impl BridgeMetrics {
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid metric");
+            r.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let counter_vec = |name: &str, help: &str, label: &str| {
+            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric");
+            r.register(Box::new(c.clone())).expect("unique metric");
+            c
+        };
+        let zmq_connected = IntGaugeVec::new(
+            Opts::new("kvindex_bridge_zmq_connected", "1 while subscribed to the rank's engine socket."),
+            &["rank"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(zmq_connected.clone())).expect("unique metric");
+        let nats_connected = IntGauge::new("kvindex_bridge_nats_connected", "1 while connected to NATS.").expect("valid metric");
+        r.register(Box::new(nats_connected.clone())).expect("unique metric");
+        let m = BridgeMetrics {
+            batches: counter("kvindex_bridge_batches_total", "Engine batches decoded and forwarded."),
+            events: counter_vec("kvindex_bridge_events_total", "Events forwarded to kvindex, by kind.", "kind"),
+            blocks: counter("kvindex_bridge_blocks_total", "Blocks in the forwarded stored and removed events."),
+            decode_failures: counter_vec(
+                "kvindex_bridge_decode_failures_total",
+                "Frames, batches or events that could not be decoded, by reason.",
+                "reason",
+            ),
+            skipped: counter_vec(
+                "kvindex_bridge_skipped_events_total",
+                "Valid events not forwarded, by reason (other attention group, not full attention, remote, unknown medium).",
+                "reason",
+            ),
+            seq_gaps: counter("kvindex_bridge_seq_gaps_total", "Jumps in an engine's sequence numbers (batches lost on ZMQ)."),
+            replays: counter_vec("kvindex_bridge_replays_total", "Replays asked of the engine, by result.", "result"),
+            engine_restarts: counter(
+                "kvindex_bridge_engine_restarts_total",
+                "Engine restarts seen (sequence back, or a new topic).",
+            ),
+            epochs: counter(
+                "kvindex_bridge_epochs_total",
+                "New epochs started: kvindex cleared the worker and rebuilds from what follows.",
+            ),
+            zmq_connected,
+            nats_connected,
+            registry: r,
+        };
+        for kind in ["stored", "removed", "cleared"] {
+            m.events.with_label_values(&[kind]);
+        }
+        for result in ["ok", "failed", "unavailable"] {
+            m.replays.with_label_values(&[result]);
+        }
+        m
+    }
+
+    fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for BridgeMetrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Serves the bridge's HTTP endpoints until aborted.
+pub(super) async fn serve(listener: tokio::net::TcpListener, m: Arc<BridgeMetrics>, nats: async_nats::Client, ranks: Vec<u32>) {
+    use axum::http::StatusCode;
+    use axum::routing::get;
+    let connected = move |nats: &async_nats::Client| nats.connection_state() == async_nats::connection::State::Connected;
+    let (m2, n2) = (m.clone(), nats.clone());
+    let app = axum::Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let (m, nats) = (m2.clone(), n2.clone());
+                async move {
+                    m.nats_connected.set(connected(&nats) as i64);
+                    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], m.render())
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let (m, nats, ranks) = (m.clone(), nats.clone(), ranks.clone());
+                async move {
+                    let zmq_up = ranks.iter().all(|r| m.zmq_connected.with_label_values(&[&r.to_string()]).get() == 1);
+                    match (connected(&nats), zmq_up) {
+                        (true, true) => (StatusCode::OK, "ready"),
+                        (false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS"),
+                        (true, false) => (StatusCode::SERVICE_UNAVAILABLE, "not subscribed to every engine socket"),
+                    }
+                }
+            }),
+        );
+    let _ = axum::serve(listener, app).await;
+}

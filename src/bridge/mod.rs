@@ -1,0 +1,329 @@
+//! `kvindex bridge`: the sidecar beside an engine (vLLM, SGLang, TensorRT-LLM) that feeds
+//! kvindex with no change to the engine. ZMQ in (the engine's PUB socket per dp rank, and its
+//! ROUTER for replay), kvindex's protocol out through the [`Publisher`], one per dp rank, so
+//! heartbeats, epochs, resync answers and snapshots come from the code that has them.
+//!
+//! - this file: the per-rank loop: frames, the engine's sequence, replay, new epochs;
+//! - [`engine`]: the engines' msgpack batches and events, decoded into domain events;
+//! - [`metrics`]: the bridge's counters and its `/metrics`, `/healthz`, `/readyz`.
+
+pub mod engine;
+mod metrics;
+
+use crate::config::{BridgeSettings, Config};
+use anyhow::Context;
+use bytes::Bytes;
+use engine::{decode_batch, EngineBatch, Hashing, Skip};
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_core::Event;
+pub use metrics::BridgeMetrics;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// The end-of-replay marker: seq -1 as a big-endian i64.
+const REPLAY_END: u64 = u64::MAX;
+
+/// Runs the bridge until `shutdown` resolves.
+pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
+    let b = cfg.bridge.clone();
+    let metrics = Arc::new(BridgeMetrics::new());
+    let listener = tokio::net::TcpListener::bind(&b.metrics_addr)
+        .await
+        .with_context(|| format!("binding bridge metrics_addr {}", b.metrics_addr))?;
+    let nats = crate::service::connect_nats(&cfg, "kvindex-bridge").await?;
+    tracing::info!(zmq = %b.zmq, replay = ?b.replay, worker = b.worker_id, ranks = ?b.dp_ranks, nats = %cfg.nats_url, prefix = %cfg.prefix, "kvindex bridge running");
+    let http = tokio::spawn(metrics::serve(listener, metrics.clone(), nats.clone(), b.dp_ranks.clone()));
+    let mut ranks = Vec::new();
+    for &rank in &b.dp_ranks {
+        let endpoint = rank_endpoint(&b.zmq, rank).with_context(|| format!("zmq endpoint {}", b.zmq))?;
+        let replay = match &b.replay {
+            Some(r) => Some(rank_endpoint(r, rank).with_context(|| format!("replay endpoint {r}"))?),
+            None => None,
+        };
+        let bridge = RankBridge::start(&cfg, &b, rank, endpoint, replay, nats.clone(), metrics.clone()).await?;
+        ranks.push(tokio::spawn(bridge.run()));
+    }
+    shutdown.await;
+    tracing::info!("kvindex bridge stopping");
+    for r in &ranks {
+        r.abort();
+    }
+    http.abort();
+    let _ = tokio::time::timeout(Duration::from_secs(2), nats.flush()).await;
+    Ok(())
+}
+
+/// The endpoint of dp rank `rank`: the base endpoint's port plus the rank.
+pub fn rank_endpoint(base: &str, rank: u32) -> anyhow::Result<String> {
+    let (head, port) = base.rsplit_once(':').context("no port")?;
+    let port: u32 = port.parse().context("bad port")?;
+    let port = port.checked_add(rank).filter(|p| *p <= u16::MAX as u32).context("port past 65535")?;
+    Ok(format!("{head}:{port}"))
+}
+
+/// Where the engine's sequence stands, for one rank.
+struct Sequence {
+    /// The seq expected next; `None` before the first batch.
+    next: Option<u64>,
+    /// The topic the engine publishes under; a new one means a new engine process.
+    topic: Option<Bytes>,
+}
+
+/// The bridge of one dp rank: its ZMQ sockets, its publisher, its place in the sequence.
+struct RankBridge {
+    rank: u32,
+    endpoint: String,
+    replay: Option<String>,
+    nats: async_nats::Client,
+    publisher_cfg: PublisherConfig,
+    publisher: Publisher,
+    hashing: Hashing,
+    replay_timeout: Duration,
+    seq: Sequence,
+    metrics: Arc<BridgeMetrics>,
+}
+
+impl RankBridge {
+    async fn start(
+        cfg: &Config,
+        b: &BridgeSettings,
+        rank: u32,
+        endpoint: String,
+        replay: Option<String>,
+        nats: async_nats::Client,
+        metrics: Arc<BridgeMetrics>,
+    ) -> anyhow::Result<Self> {
+        let publisher_cfg = PublisherConfig::new(&cfg.prefix, b.worker_id, rank);
+        let publisher = Publisher::start(nats.clone(), publisher_cfg.clone()).await?;
+        Ok(RankBridge {
+            rank,
+            endpoint,
+            replay,
+            nats,
+            publisher_cfg,
+            publisher,
+            hashing: Hashing { block_size: b.block_size },
+            replay_timeout: Duration::from_millis(b.replay_timeout_ms.max(1)),
+            seq: Sequence { next: None, topic: None },
+            metrics,
+        })
+    }
+
+    /// Subscribes to the engine (again after any error) and bridges what it publishes.
+    async fn run(mut self) {
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            let mut sub = zeromq::SubSocket::new();
+            let connected = async {
+                sub.connect(&self.endpoint).await?;
+                sub.subscribe("").await
+            };
+            if let Err(e) = connected.await {
+                tracing::warn!(rank = self.rank, endpoint = %self.endpoint, "cannot subscribe to the engine: {e}; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+            backoff = Duration::from_millis(100);
+            self.metrics.zmq_connected.with_label_values(&[&self.rank.to_string()]).set(1);
+            tracing::info!(rank = self.rank, endpoint = %self.endpoint, "subscribed to the engine's KV events");
+            loop {
+                match sub.recv().await {
+                    Ok(msg) => self.on_message(msg).await,
+                    Err(e) => {
+                        tracing::warn!(rank = self.rank, "engine socket failed: {e}; reconnecting");
+                        break;
+                    }
+                }
+            }
+            self.metrics.zmq_connected.with_label_values(&[&self.rank.to_string()]).set(0);
+        }
+    }
+
+    /// One live message: `[topic, seq, payload]` (or `[seq, payload]`).
+    async fn on_message(&mut self, msg: ZmqMessage) {
+        let Some((topic, seq, payload)) = split_frames(msg.into_vec()) else {
+            self.metrics.decode_failures.with_label_values(&["bad_frames"]).inc();
+            return;
+        };
+        let restarted = match (self.seq.next, &self.seq.topic, &topic) {
+            (_, Some(old), Some(new)) if old != new => true,
+            (Some(next), _, _) if seq < next => true,
+            _ => false,
+        };
+        if restarted {
+            self.metrics.engine_restarts.inc();
+            tracing::info!(
+                rank = self.rank,
+                seq,
+                "the engine restarted (its sequence went back or its topic changed); new epoch"
+            );
+            self.new_epoch().await;
+        } else if let Some(next) = self.seq.next.filter(|n| seq > *n) {
+            self.metrics.seq_gaps.inc();
+            tracing::warn!(rank = self.rank, from = next, to = seq, "batches lost between the engine and the bridge");
+            if !self.replay_from(next, seq).await {
+                // What was lost is unknown: start over, from what follows.
+                self.new_epoch().await;
+            }
+        }
+        if topic.is_some() {
+            self.seq.topic = topic;
+        }
+        self.seq.next = Some(seq + 1);
+        self.forward(&payload).await;
+    }
+
+    /// Replays `[from, until)` from the engine's ROUTER; whether the gap was healed.
+    async fn replay_from(&mut self, from: u64, until: u64) -> bool {
+        let Some(endpoint) = self.replay.clone() else {
+            self.metrics.replays.with_label_values(&["unavailable"]).inc();
+            return false;
+        };
+        match tokio::time::timeout(self.replay_timeout * 4, self.replay(&endpoint, from, until)).await {
+            Ok(Ok(true)) => {
+                self.metrics.replays.with_label_values(&["ok"]).inc();
+                true
+            }
+            Ok(Ok(false)) => {
+                tracing::warn!(rank = self.rank, from, "the engine no longer holds the lost batches");
+                self.metrics.replays.with_label_values(&["failed"]).inc();
+                false
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(rank = self.rank, from, "replay failed: {e:#}");
+                self.metrics.replays.with_label_values(&["failed"]).inc();
+                false
+            }
+            Err(_) => {
+                tracing::warn!(rank = self.rank, from, "replay timed out");
+                self.metrics.replays.with_label_values(&["failed"]).inc();
+                false
+            }
+        }
+    }
+
+    /// Asks for every batch from `from` and forwards those before `until`, in order. False if
+    /// the first one back is not `from` (the engine's buffer has moved on).
+    async fn replay(&mut self, endpoint: &str, from: u64, until: u64) -> anyhow::Result<bool> {
+        let mut dealer = zeromq::DealerSocket::new();
+        dealer.connect(endpoint).await?;
+        let ask =
+            ZmqMessage::try_from(vec![Bytes::new(), Bytes::copy_from_slice(&from.to_be_bytes())]).map_err(anyhow::Error::msg)?;
+        dealer.send(ask).await?;
+        let mut expected = from;
+        loop {
+            let msg = tokio::time::timeout(self.replay_timeout, dealer.recv()).await.context("no replayed batch in time")??;
+            let mut frames = msg.into_vec();
+            // The DEALER keeps the ROUTER's empty delimiter.
+            while frames.first().is_some_and(|f| f.is_empty()) && frames.len() > 2 {
+                frames.remove(0);
+            }
+            let Some((_, seq, payload)) = split_frames(frames) else {
+                self.metrics.decode_failures.with_label_values(&["bad_frames"]).inc();
+                continue;
+            };
+            if seq == REPLAY_END {
+                return Ok(expected >= until);
+            }
+            if seq < expected {
+                continue;
+            }
+            if seq > expected {
+                return Ok(false);
+            }
+            if seq < until {
+                self.forward(&payload).await;
+            }
+            expected = seq + 1;
+        }
+    }
+
+    /// Starts a new epoch: kvindex clears the worker, and the block set starts empty.
+    async fn new_epoch(&mut self) {
+        let cfg =
+            PublisherConfig { epoch: self.publisher_cfg.epoch.max(now_ns()).saturating_add(1), ..self.publisher_cfg.clone() };
+        match Publisher::start(self.nats.clone(), cfg.clone()).await {
+            Ok(p) => {
+                let old = std::mem::replace(&mut self.publisher, p);
+                self.publisher_cfg = cfg;
+                old.close().await;
+                self.metrics.epochs.inc();
+            }
+            Err(e) => tracing::error!(rank = self.rank, "cannot start a new epoch's publisher: {e}"),
+        }
+    }
+
+    /// Decodes one payload and publishes its events.
+    async fn forward(&mut self, payload: &[u8]) {
+        let batch = match decode_batch(payload, self.hashing) {
+            Ok(b) => b,
+            Err(e) => {
+                self.metrics.decode_failures.with_label_values(&[e.reason()]).inc();
+                tracing::debug!(rank = self.rank, "dropped an engine batch: {e}");
+                return;
+            }
+        };
+        self.metrics.batches.inc();
+        let EngineBatch { events, .. } = batch;
+        self.publisher.wait_for_room().await;
+        for ev in events {
+            match ev {
+                Ok(Event::Stored { parent, blocks, tier }) => {
+                    self.metrics.events.with_label_values(&["stored"]).inc();
+                    self.metrics.blocks.inc_by(blocks.len() as u64);
+                    self.publisher.stored_in(tier, parent, &blocks);
+                }
+                Ok(Event::Removed { hashes, tier }) => {
+                    self.metrics.events.with_label_values(&["removed"]).inc();
+                    self.metrics.blocks.inc_by(hashes.len() as u64);
+                    self.publisher.removed_in(tier, &hashes);
+                }
+                Ok(Event::Cleared) => {
+                    self.metrics.events.with_label_values(&["cleared"]).inc();
+                    self.publisher.cleared();
+                }
+                Err(Skip::Bad(reason)) => self.metrics.decode_failures.with_label_values(&[reason]).inc(),
+                Err(Skip::Filtered(reason)) => self.metrics.skipped.with_label_values(&[reason]).inc(),
+            }
+        }
+    }
+}
+
+/// `(topic, seq, payload)` of `[topic, seq, payload]` or `[seq, payload]`.
+fn split_frames(frames: Vec<Bytes>) -> Option<(Option<Bytes>, u64, Bytes)> {
+    let seq = |f: &Bytes| Some(u64::from_be_bytes(f.as_ref().try_into().ok()?));
+    match frames.as_slice() {
+        [topic, s, payload] => Some((Some(topic.clone()), seq(s)?, payload.clone())),
+        [s, payload] => Some((None, seq(s)?, payload.clone())),
+        _ => None,
+    }
+}
+
+fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_endpoints_add_the_rank_to_the_port() {
+        assert_eq!(rank_endpoint("tcp://engine:5557", 0).unwrap(), "tcp://engine:5557");
+        assert_eq!(rank_endpoint("tcp://engine:5557", 3).unwrap(), "tcp://engine:5560");
+        assert!(rank_endpoint("tcp://engine:65535", 1).is_err());
+        assert!(rank_endpoint("tcp://engine", 0).is_err());
+    }
+
+    #[test]
+    fn frames_with_and_without_a_topic() {
+        let seq = Bytes::copy_from_slice(&7u64.to_be_bytes());
+        let (t, s, p) = split_frames(vec![Bytes::from_static(b"kv"), seq.clone(), Bytes::from_static(b"x")]).unwrap();
+        assert_eq!((t.as_deref(), s, p.as_ref()), (Some(&b"kv"[..]), 7, &b"x"[..]));
+        assert_eq!(split_frames(vec![seq, Bytes::new()]).map(|f| f.1), Some(7));
+        assert!(split_frames(vec![Bytes::from_static(b"short"), Bytes::new()]).is_none());
+    }
+}
