@@ -39,6 +39,8 @@ enum Command {
     E2e(E2eArgs),
     /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
     Gen(GenArgs),
+    /// Measure the bridge: a fake engine's ZMQ batches to applied in kvindex, blocks per second.
+    BridgeBench(BridgeBenchArgs),
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
     /// healthcheck that needs no curl).
     Health(HealthArgs),
@@ -77,6 +79,19 @@ struct BridgeArgs {
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
+}
+
+#[derive(Args)]
+struct BridgeBenchArgs {
+    /// Engine batches to send.
+    #[arg(long, default_value_t = 20000)]
+    batches: u64,
+    /// BlockStored events per batch.
+    #[arg(long, default_value_t = 4)]
+    events: u64,
+    /// Blocks (16 tokens each) per event.
+    #[arg(long, default_value_t = 16)]
+    blocks: u64,
 }
 
 #[derive(Args)]
@@ -305,6 +320,12 @@ fn main() -> Result<()> {
         Command::Gen(a) => gen_cmd(a),
         Command::Health(a) => health_cmd(a),
         Command::Bridge(a) => bridge_cmd(a),
+        Command::BridgeBench(a) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let r = rt.block_on(tools::bridge_bench::run(a.batches, a.events, a.blocks))?;
+            println!("{}", serde_json::to_string_pretty(&r)?);
+            Ok(())
+        }
     }
 }
 

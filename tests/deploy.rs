@@ -79,7 +79,7 @@ fn every_kvindex_command_line_of_the_deployment_parses() {
     let compose = read("docker-compose.yml");
     let mut lines = compose_kvindex_commands(&compose);
     let services: Vec<&str> = lines.iter().map(|(s, _)| s.as_str()).collect();
-    assert_eq!(services, ["kvindex", "loadgen"], "kvindex services of docker-compose.yml");
+    assert_eq!(services, ["kvindex", "loadgen", "bridge"], "kvindex services of docker-compose.yml");
     // The Dockerfile's healthcheck and default command.
     let dockerfile = read("Dockerfile");
     for directive in ["HEALTHCHECK", "CMD"] {

@@ -11,10 +11,12 @@
 //! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
 //! - [`demo`]: `kvindex demo`: a closed loop of router, mock engines and kvindex, showing the
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
+//! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 
 pub mod alloc;
 pub mod bench;
+pub mod bridge_bench;
 pub mod demo;
 pub mod e2e;
 pub mod flood;

@@ -1,0 +1,118 @@
+//! `kvindex bridge-bench`: blocks per second from an engine's ZMQ socket to applied in kvindex,
+//! through `kvindex bridge`. A fake engine publishes vLLM-shaped batches (array events, 16-token
+//! blocks) on a PUB socket; the bridge, `kvindex serve` and `nats-server` run on this machine.
+
+use crate::tools::harness::{free_port, http_body, sample, Daemon, NatsProcess};
+use anyhow::{bail, Result};
+use bytes::Bytes;
+use kvindex::config::{BridgeSettings, Config};
+use rmpv::Value;
+use serde::Serialize;
+use std::time::{Duration, Instant};
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+/// What a run measured.
+#[derive(Debug, Serialize)]
+pub struct BridgeReport {
+    pub batches: u64,
+    pub blocks: u64,
+    pub seconds: f64,
+    pub blocks_per_s: f64,
+    pub events_per_s: f64,
+    /// Upper bound of kvindex's event lag p99 (from the bridge's publish to applied), ms.
+    pub lag_p99_ms: f64,
+}
+
+/// One vLLM batch of `events` root chains of `blocks` 16-token blocks, hashes from `base`.
+fn batch(base: u64, events: u64, blocks: u64) -> Bytes {
+    let evs: Vec<Value> = (0..events)
+        .map(|e| {
+            let first = base + e * blocks;
+            Value::Array(vec![
+                Value::from("BlockStored"),
+                Value::Array((first..first + blocks).map(Value::from).collect()),
+                Value::Nil,
+                Value::Array((0..blocks * 16).map(|t| Value::from((first * 16 + t) % 32000)).collect()),
+                Value::from(16),
+            ])
+        })
+        .collect();
+    let mut out = Vec::new();
+    let _ = rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::from(0.0), Value::Array(evs), Value::Nil]));
+    out.into()
+}
+
+/// Pushes `batches` batches of `events` events of `blocks` blocks through the bridge.
+pub async fn run(batches: u64, events: u64, blocks: u64) -> Result<BridgeReport> {
+    let nats = NatsProcess::start()?;
+    let daemon = Daemon::start(Config {
+        nats_url: nats.url(),
+        prefix: "bb".into(),
+        metrics_addr: format!("127.0.0.1:{}", free_port()?),
+        worker_ttl: 0,
+        ..Config::default()
+    })
+    .await?;
+    let port = free_port()?;
+    let mut engine = zeromq::PubSocket::new();
+    engine.bind(&format!("tcp://127.0.0.1:{port}")).await?;
+    let bridge_addr = format!("127.0.0.1:{}", free_port()?);
+    let cfg = Config {
+        nats_url: nats.url(),
+        prefix: "bb".into(),
+        bridge: BridgeSettings {
+            zmq: format!("tcp://127.0.0.1:{port}"),
+            metrics_addr: bridge_addr.clone(),
+            ..BridgeSettings::default()
+        },
+        ..Config::default()
+    };
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let bridge = tokio::spawn(kvindex::bridge::run(cfg, async move {
+        let _ = stopped.await;
+    }));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while crate::tools::harness::http_get(&bridge_addr, "/readyz").await.map(|r| r.0) != Some(200) {
+        if Instant::now() > deadline {
+            bail!("the bridge did not become ready");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let payloads: Vec<Bytes> = (0..batches).map(|i| batch(i * events * blocks, events, blocks)).collect();
+    let total = batches * events * blocks;
+    let start = Instant::now();
+    for (seq, p) in payloads.into_iter().enumerate() {
+        // A PUB socket drops what a slow subscriber cannot take: keep at most 256 batches ahead.
+        if seq % 64 == 0 {
+            while (seq as f64) - sample(&http_body(&bridge_addr, "/metrics").await, "kvindex_bridge_batches_total") > 256.0 {
+                tokio::time::sleep(Duration::from_micros(200)).await;
+            }
+        }
+        let frames = vec![Bytes::from_static(b"kv"), Bytes::copy_from_slice(&(seq as u64).to_be_bytes()), p];
+        engine.send(ZmqMessage::try_from(frames).map_err(anyhow::Error::msg)?).await?;
+    }
+    let text = loop {
+        let text = http_body(&daemon.cfg.metrics_addr, "/metrics").await;
+        if sample(&text, "kvindex_blocks_applied_total{kind=\"stored\"}") >= total as f64 {
+            break text;
+        }
+        if start.elapsed() > Duration::from_secs(300) {
+            bail!("kvindex did not apply every block within 5 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    };
+    let seconds = start.elapsed().as_secs_f64();
+    let lag = crate::tools::harness::quantile(&crate::tools::harness::buckets(&text, "kvindex_event_lag_seconds_bucket{"), 0.99);
+    let _ = stop.send(());
+    let _ = bridge.await;
+    daemon.stop().await?;
+    Ok(BridgeReport {
+        batches,
+        blocks: total,
+        seconds,
+        blocks_per_s: total as f64 / seconds,
+        events_per_s: (batches * events) as f64 / seconds,
+        lag_p99_ms: lag * 1e3,
+    })
+}
