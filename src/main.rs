@@ -92,6 +92,9 @@ struct BridgeBenchArgs {
     /// Blocks (16 tokens each) per event.
     #[arg(long, default_value_t = 16)]
     blocks: u64,
+    /// Offered blocks per second; 0 as fast as the bridge takes them.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
 }
 
 #[derive(Args)]
@@ -322,7 +325,7 @@ fn main() -> Result<()> {
         Command::Bridge(a) => bridge_cmd(a),
         Command::BridgeBench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-            let r = rt.block_on(tools::bridge_bench::run(a.batches, a.events, a.blocks))?;
+            let r = rt.block_on(tools::bridge_bench::run(a.batches, a.events, a.blocks, a.rate))?;
             println!("{}", serde_json::to_string_pretty(&r)?);
             Ok(())
         }

@@ -1,7 +1,9 @@
 //! The bridge's Prometheus metrics, and its HTTP server: `/metrics`, `/healthz` (alive),
 //! `/readyz` (connected to NATS and subscribed to every rank's engine socket).
 
-use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 use std::sync::Arc;
 
 /// Every metric the bridge exports.
@@ -29,6 +31,9 @@ pub struct BridgeMetrics {
     pub zmq_connected: IntGaugeVec,
     /// 1 while connected to NATS (set when scraped).
     pub nats_connected: IntGauge,
+    /// From the engine's batch timestamp to its events handed to the publisher: what the ZMQ
+    /// hop and the bridge add (the publisher's linger, 2 ms at most, comes on top).
+    pub engine_lag: Histogram,
 }
 
 impl BridgeMetrics {
@@ -52,7 +57,17 @@ impl BridgeMetrics {
         r.register(Box::new(zmq_connected.clone())).expect("unique metric");
         let nats_connected = IntGauge::new("kvindex_bridge_nats_connected", "1 while connected to NATS.").expect("valid metric");
         r.register(Box::new(nats_connected.clone())).expect("unique metric");
+        let engine_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "kvindex_bridge_engine_lag_seconds",
+                "Time from an engine batch's timestamp to its events handed to the publisher.",
+            )
+            .buckets(vec![0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0]),
+        )
+        .expect("valid metric");
+        r.register(Box::new(engine_lag.clone())).expect("unique metric");
         let m = BridgeMetrics {
+            engine_lag,
             batches: counter("kvindex_bridge_batches_total", "Engine batches decoded and forwarded."),
             events: counter_vec("kvindex_bridge_events_total", "Events forwarded to kvindex, by kind.", "kind"),
             blocks: counter("kvindex_bridge_blocks_total", "Blocks in the forwarded stored and removed events."),

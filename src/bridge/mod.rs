@@ -267,7 +267,7 @@ impl RankBridge {
             }
         };
         self.metrics.batches.inc();
-        let EngineBatch { events, .. } = batch;
+        let EngineBatch { events, ts, .. } = batch;
         self.publisher.wait_for_room().await;
         for ev in events {
             match ev {
@@ -288,6 +288,10 @@ impl RankBridge {
                 Err(Skip::Bad(reason)) => self.metrics.decode_failures.with_label_values(&[reason]).inc(),
                 Err(Skip::Filtered(reason)) => self.metrics.skipped.with_label_values(&[reason]).inc(),
             }
+        }
+        let now = now_ns() as f64 / 1e9;
+        if ts > 0.0 && now >= ts {
+            self.metrics.engine_lag.observe(now - ts);
         }
     }
 }

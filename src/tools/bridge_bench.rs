@@ -21,10 +21,17 @@ pub struct BridgeReport {
     pub events_per_s: f64,
     /// Upper bound of kvindex's event lag p99 (from the bridge's publish to applied), ms.
     pub lag_p99_ms: f64,
+    /// Upper bound of the bridge's own lag p99 (engine batch timestamp to handed to its
+    /// publisher: the ZMQ hop and the bridge), ms.
+    pub bridge_lag_p99_ms: f64,
+    /// Offered blocks per second (0: as fast as the bridge takes them).
+    pub offered_blocks_per_s: f64,
 }
 
-/// One vLLM batch of `events` root chains of `blocks` 16-token blocks, hashes from `base`.
+/// One vLLM batch of `events` root chains of `blocks` 16-token blocks, hashes from `base`,
+/// stamped now.
 fn batch(base: u64, events: u64, blocks: u64) -> Bytes {
+    let ts = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
     let evs: Vec<Value> = (0..events)
         .map(|e| {
             let first = base + e * blocks;
@@ -38,12 +45,13 @@ fn batch(base: u64, events: u64, blocks: u64) -> Bytes {
         })
         .collect();
     let mut out = Vec::new();
-    let _ = rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::from(0.0), Value::Array(evs), Value::Nil]));
+    let _ = rmpv::encode::write_value(&mut out, &Value::Array(vec![Value::from(ts), Value::Array(evs), Value::Nil]));
     out.into()
 }
 
-/// Pushes `batches` batches of `events` events of `blocks` blocks through the bridge.
-pub async fn run(batches: u64, events: u64, blocks: u64) -> Result<BridgeReport> {
+/// Pushes `batches` batches of `events` events of `blocks` blocks through the bridge, at
+/// `rate` blocks per second (0: as fast as it takes them).
+pub async fn run(batches: u64, events: u64, blocks: u64, rate: f64) -> Result<BridgeReport> {
     let nats = NatsProcess::start()?;
     let daemon = Daemon::start(Config {
         nats_url: nats.url(),
@@ -79,10 +87,17 @@ pub async fn run(batches: u64, events: u64, blocks: u64) -> Result<BridgeReport>
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let payloads: Vec<Bytes> = (0..batches).map(|i| batch(i * events * blocks, events, blocks)).collect();
     let total = batches * events * blocks;
     let start = Instant::now();
-    for (seq, p) in payloads.into_iter().enumerate() {
+    for seq in 0..batches as usize {
+        if rate > 0.0 {
+            let due = start + Duration::from_secs_f64((seq as u64 * events * blocks) as f64 / rate);
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                tokio::time::sleep(wait).await;
+            }
+        }
+        // Made when sent, so that its timestamp is the engine's.
+        let p = batch(seq as u64 * events * blocks, events, blocks);
         // A PUB socket drops what a slow subscriber cannot take: keep at most 256 batches ahead.
         if seq % 64 == 0 {
             while (seq as f64) - sample(&http_body(&bridge_addr, "/metrics").await, "kvindex_bridge_batches_total") > 256.0 {
@@ -104,6 +119,11 @@ pub async fn run(batches: u64, events: u64, blocks: u64) -> Result<BridgeReport>
     };
     let seconds = start.elapsed().as_secs_f64();
     let lag = crate::tools::harness::quantile(&crate::tools::harness::buckets(&text, "kvindex_event_lag_seconds_bucket{"), 0.99);
+    let bridge_text = http_body(&bridge_addr, "/metrics").await;
+    let bridge_lag = crate::tools::harness::quantile(
+        &crate::tools::harness::buckets(&bridge_text, "kvindex_bridge_engine_lag_seconds_bucket{"),
+        0.99,
+    );
     let _ = stop.send(());
     let _ = bridge.await;
     daemon.stop().await?;
@@ -114,5 +134,7 @@ pub async fn run(batches: u64, events: u64, blocks: u64) -> Result<BridgeReport>
         blocks_per_s: total as f64 / seconds,
         events_per_s: (batches * events) as f64 / seconds,
         lag_p99_ms: lag * 1e3,
+        bridge_lag_p99_ms: bridge_lag * 1e3,
+        offered_blocks_per_s: rate,
     })
 }
