@@ -131,11 +131,21 @@ struct Source {
     /// Use only the trace's first N requests.
     #[arg(long)]
     requests: Option<usize>,
+    /// Mock engine: fraction of evictions that remove a random block of the victim's sequence
+    /// instead of its tail, its children staying cached (holes).
+    #[arg(long, default_value_t = 0.0)]
+    hole_rate: f64,
 }
 
 impl Source {
     fn mock(&self) -> MockConfig {
-        MockConfig { workers: self.workers, capacity: self.capacity, factor: self.factor, seed: self.seed }
+        MockConfig {
+            workers: self.workers,
+            capacity: self.capacity,
+            factor: self.factor,
+            seed: self.seed,
+            hole_rate: self.hole_rate,
+        }
     }
 
     fn load(&self) -> Result<Workload> {

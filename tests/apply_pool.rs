@@ -24,7 +24,10 @@ use tools::trace::{read_trace_file, MockConfig, MockEngine};
 
 fn workload() -> Workload {
     let trace = read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).unwrap();
-    Workload::from_timed(MockEngine::run(MockConfig { workers: 24, capacity: 1500, factor: 4, seed: 3 }, &trace[..3000]))
+    Workload::from_timed(MockEngine::run(
+        MockConfig { workers: 24, capacity: 1500, factor: 4, seed: 3, hole_rate: 0.0 },
+        &trace[..3000],
+    ))
 }
 
 /// The end state, built one event at a time on one thread.

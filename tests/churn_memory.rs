@@ -24,7 +24,7 @@ fn churn_keeps_memory_flat_and_emptying_gives_it_back() {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
     let mut trace = read_trace_file(std::path::Path::new(path)).unwrap();
     trace.truncate(4000);
-    let mock = MockConfig { workers: 8, capacity: 8192, factor: 4, seed: 7 };
+    let mock = MockConfig { workers: 8, capacity: 8192, factor: 4, seed: 7, hole_rate: 0.0 };
     let points = churn(&trace, mock, &[Backend::Positional, Backend::Radix], 64, 5, false);
     for backend in ["positional", "radix"] {
         let at = |phase: &str| {

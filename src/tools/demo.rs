@@ -195,7 +195,7 @@ impl Fleet {
         cfg: &DemoConfig,
         now_ms: u64,
     ) -> crate::tools::trace::Served {
-        let served = self.caches[w].serve(engine, cfg.capacity, &mut self.clock);
+        let served = self.caches[w].serve(engine, cfg.capacity, &mut self.clock, None);
         let tokens_per_block = 512 / cfg.factor.max(1);
         let (cached, asked) = (served.hit as u64 * tokens_per_block, engine.len() as u64 * tokens_per_block);
         // The trace's prompt length, where given, is what the blocks cover (the last one partly).

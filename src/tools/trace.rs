@@ -35,7 +35,7 @@ pub fn read_trace_file(path: &std::path::Path) -> Result<Vec<TraceRequest>> {
 }
 
 /// The mock engine's settings. The defaults are the reference configuration.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MockConfig {
     /// Workers W.
     pub workers: u64,
@@ -45,11 +45,14 @@ pub struct MockConfig {
     pub factor: u64,
     /// SplitMix64 seed of the worker choice.
     pub seed: u64,
+    /// Fraction of evictions that remove a random cached block of the victim's sequence
+    /// instead of its tail, leaving its children cached (holes); 0 is the reference engine.
+    pub hole_rate: f64,
 }
 
 impl Default for MockConfig {
     fn default() -> Self {
-        MockConfig { workers: 16, capacity: 16384, factor: 16, seed: 42 }
+        MockConfig { workers: 16, capacity: 16384, factor: 16, seed: 42, hole_rate: 0.0 }
     }
 }
 
@@ -100,6 +103,15 @@ pub fn mock_block_hash(prev: u64, local: u64) -> u64 {
 pub struct PrefixCache {
     stamp_of: FxHashMap<u64, u64>,
     by_stamp: BTreeMap<u64, u64>,
+    /// Each cached block's parent, to find a victim's sequence when evicting with holes.
+    parent_of: FxHashMap<u64, u64>,
+}
+
+/// Evictions that leave holes: with probability `rate` an eviction takes a random cached block
+/// of the victim's sequence (the victim or an ancestor) instead of the victim.
+pub struct Holes<'a> {
+    pub rng: &'a mut SplitMix64,
+    pub rate: f64,
 }
 
 /// What a worker's cache did with one request.
@@ -129,9 +141,10 @@ impl PrefixCache {
     }
 
     /// Serves a request: its longest cached prefix hits; least recently used blocks it does not
-    /// use make room (at most `capacity` blocks stay); then all its blocks are stamped
-    /// tail-first from `clock`, as engines free them, so parents always outlive children.
-    pub fn serve(&mut self, engine: &[u64], capacity: usize, clock: &mut u64) -> Served {
+    /// use make room (at most `capacity` blocks stay, or a few more after holes); then all its
+    /// blocks are stamped tail-first from `clock`, as engines free them, so that without holes
+    /// parents always outlive children.
+    pub fn serve(&mut self, engine: &[u64], capacity: usize, clock: &mut u64, mut holes: Option<Holes<'_>>) -> Served {
         let hit = self.hits(engine);
         let new = engine.len() - hit;
         let room = capacity.saturating_sub(self.len());
@@ -139,16 +152,46 @@ impl PrefixCache {
         if new > room {
             let need = new - room;
             let used: rustc_hash::FxHashSet<u64> = engine[..hit].iter().copied().collect();
-            evicted = self.by_stamp.values().filter(|b| !used.contains(b)).take(need).copied().collect();
+            let lru: Vec<u64> = self.by_stamp.values().filter(|b| !used.contains(b)).take(need).copied().collect();
+            let mut gone = rustc_hash::FxHashSet::default();
+            for v in lru {
+                let hole = holes.as_mut().filter(|h| h.rate > 0.0).and_then(|h| {
+                    let roll = h.rng.next_u64() as f64 / 18_446_744_073_709_551_616.0;
+                    (roll < h.rate).then_some(h)
+                });
+                let pick = match hole {
+                    Some(h) => {
+                        let mut seq = vec![v];
+                        let mut cur = v;
+                        while let Some(&p) = self.parent_of.get(&cur) {
+                            if !self.stamp_of.contains_key(&p) || used.contains(&p) || gone.contains(&p) {
+                                break;
+                            }
+                            seq.push(p);
+                            cur = p;
+                        }
+                        seq[h.rng.below(seq.len() as u64) as usize]
+                    }
+                    _ => v,
+                };
+                let pick = if gone.contains(&pick) { v } else { pick };
+                if gone.insert(pick) {
+                    evicted.push(pick);
+                }
+            }
             for v in &evicted {
                 if let Some(s) = self.stamp_of.remove(v) {
                     self.by_stamp.remove(&s);
                 }
+                self.parent_of.remove(v);
             }
         }
-        for &b in engine.iter().rev() {
+        for (i, &b) in engine.iter().enumerate().rev() {
             *clock += 1;
             self.touch(b, *clock);
+            if i > 0 {
+                self.parent_of.insert(b, engine[i - 1]);
+            }
         }
         Served { hit, evicted }
     }
@@ -173,6 +216,8 @@ pub fn request_locals(req: &TraceRequest, factor: u64) -> Vec<u64> {
 pub struct MockEngine {
     cfg: MockConfig,
     rng: SplitMix64,
+    /// Chooses holes, apart from the worker choice, so that rate 0 is the reference stream.
+    hole_rng: SplitMix64,
     caches: Vec<PrefixCache>,
     event_ids: Vec<u64>,
     clock: u64,
@@ -183,6 +228,7 @@ impl MockEngine {
         MockEngine {
             cfg,
             rng: SplitMix64::new(cfg.seed),
+            hole_rng: SplitMix64::new(cfg.seed ^ 0x4F1E_5EED),
             caches: (0..cfg.workers).map(|_| PrefixCache::default()).collect(),
             event_ids: vec![0; cfg.workers as usize],
             clock: 0,
@@ -207,7 +253,8 @@ impl MockEngine {
         let worker = self.rng.below(self.cfg.workers);
         let ts_ms = req.timestamp;
         out.push(TimedOp { ts_ms, op: StreamOp::Lookup { local: locals.clone() } });
-        let served = self.caches[worker as usize].serve(&engine, self.cfg.capacity, &mut self.clock);
+        let holes = (self.cfg.hole_rate > 0.0).then_some(Holes { rng: &mut self.hole_rng, rate: self.cfg.hole_rate });
+        let served = self.caches[worker as usize].serve(&engine, self.cfg.capacity, &mut self.clock, holes);
         if !served.evicted.is_empty() {
             let event_id = self.next_event_id(worker);
             out.push(TimedOp { ts_ms, op: StreamOp::Removed { worker, event_id, seq: served.evicted } });
@@ -255,7 +302,7 @@ mod tests {
         let trace: Vec<TraceRequest> = (0..200u64)
             .map(|i| TraceRequest { timestamp: i, input_length: 0, output_length: 0, hash_ids: vec![0, 1 + i % 7, 100 + i] })
             .collect();
-        let cfg = MockConfig { workers: 3, capacity: 20, factor: 2, seed: 7 };
+        let cfg = MockConfig { workers: 3, capacity: 20, factor: 2, seed: 7, hole_rate: 0.0 };
         let mut engine = MockEngine::new(cfg);
         let mut ops = Vec::new();
         let mut held: Vec<FxHashMap<u64, Option<u64>>> = vec![FxHashMap::default(); 3];
