@@ -9,7 +9,7 @@ use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::{KvIndex, MatchOptions};
-use kvindex_core::Event;
+use kvindex_core::{Event, Tier};
 use std::time::Duration;
 use support::engine::{all_queries, ModelEngine};
 use support::{NatsProcess, NatsServer};
@@ -124,6 +124,44 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
     }
     assert_eq!(p.stats().snapshots, 1);
     assert_eq!(p.stats().orphans_skipped, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn send_now_skips_the_linger_and_snapshots_keep_every_tier() {
+    let cfg = PublisherConfig { linger: Duration::from_secs(30), ..PublisherConfig::new("t", 7, 0) };
+    let (_nats, client, mut sub, p) = start(cfg).await;
+    p.stored(None, &[StoredBlock::new(1, 10), StoredBlock::new(2, 20)]);
+    p.stored_in(Tier::Host, None, &[StoredBlock::new(1, 10), StoredBlock::new(2, 20), StoredBlock::new(3, 30)]);
+    p.removed_in(Tier::Host, &[BlockHash(3)]);
+    p.send_now();
+    // Within the 5 s of next_batch, far inside the 30 s linger.
+    let (b, _) = next_batch(&mut sub).await;
+    assert_eq!(b.events.len(), 3);
+    assert_eq!(p.len(), 2, "device blocks");
+
+    // A resync: the snapshot resends each tier's chains under that tier.
+    client.publish("t.resync", bytes::Bytes::new()).await.unwrap();
+    let (b, _) = next_batch(&mut sub).await;
+    assert!(b.header.snapshot && b.header.snapshot_end);
+    let tiers: Vec<(Tier, usize)> = events_of(&b)
+        .iter()
+        .filter_map(|e| match &e.data {
+            Event::Stored { blocks, tier, .. } => Some((*tier, blocks.len())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tiers, vec![(Tier::Device, 2), (Tier::Host, 2)]);
+    // A clear drops every tier.
+    p.cleared();
+    client.publish("t.resync", bytes::Bytes::new()).await.unwrap();
+    p.send_now();
+    let snapshot = loop {
+        let (b, _) = next_batch(&mut sub).await;
+        if b.header.snapshot {
+            break b;
+        }
+    };
+    assert_eq!(events_of(&snapshot).len(), 1, "only the snapshot's own clear");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -289,6 +289,8 @@ impl RankBridge {
                 Err(Skip::Filtered(reason)) => self.metrics.skipped.with_label_values(&[reason]).inc(),
             }
         }
+        // The engine batched already: one NATS message per engine batch, without the linger.
+        self.publisher.send_now();
         let now = now_ns() as f64 / 1e9;
         if ts > 0.0 && now >= ts {
             self.metrics.engine_lag.observe(now - ts);

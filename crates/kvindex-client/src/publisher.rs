@@ -246,6 +246,13 @@ impl Publisher {
         s.push(&mut inner, REMOVED_OVERHEAD, write_cleared);
     }
 
+    /// Sends what is pending now instead of after the linger: for a caller that batches
+    /// already (the bridge forwards an engine's batch as one message).
+    pub fn send_now(&self) {
+        let mut inner = self.shared.inner.lock();
+        self.shared.send_pending(&mut inner, false, false);
+    }
+
     /// Waits until the queue to NATS has room. Engines that would rather wait than drop
     /// batches (and have them resynced later) call it before reporting.
     pub async fn wait_for_room(&self) {
