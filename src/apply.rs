@@ -8,7 +8,7 @@ use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{ApplyOutcome, KvIndex};
 use kvindex_core::seeded::{SeededMap, SeededState};
 use kvindex_core::tiers::{OtherTiers, TierWriters};
-use kvindex_core::Event;
+use kvindex_core::{Event, Tier};
 use parking_lot::Mutex;
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -224,6 +224,7 @@ fn apply_loop<I: KvIndex>(
                     if let Some(others) = others {
                         let tier = match ev {
                             Event::Cleared => others.clear(&mut w.others),
+                            Event::Stored { tier: Tier::Device, .. } | Event::Removed { tier: Tier::Device, .. } => continue,
                             _ => others.apply(worker, &mut w.others, ev),
                         };
                         // Another tier's counts are its own: only refusals and orphans are told.

@@ -49,9 +49,8 @@ enum Command {
 /// Flags of `bridge`; each overrides the config file's `[bridge]` table and `KVINDEX_BRIDGE_*`.
 #[derive(Args)]
 struct BridgeArgs {
-    /// Config file (default: config/kvindex.toml if present).
-    #[arg(long)]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    common: DaemonFlags,
     /// The engine's ZMQ PUB endpoint for rank 0 (rank r: port + r).
     #[arg(long)]
     zmq: Option<String>,
@@ -67,15 +66,23 @@ struct BridgeArgs {
     /// Tokens per block, for events without block_size.
     #[arg(long)]
     block_size: Option<u32>,
-    /// NATS server(s) [KVINDEX_NATS_URL].
-    #[arg(long)]
-    nats_url: Option<String>,
-    /// Subject prefix of kvindex [KVINDEX_PREFIX].
-    #[arg(long)]
-    prefix: Option<String>,
     /// Address of the bridge's /metrics, /healthz, /readyz.
     #[arg(long)]
     metrics_addr: Option<String>,
+}
+
+/// Flags `serve` and `bridge` share: where the configuration and NATS are, how to log.
+#[derive(Args)]
+struct DaemonFlags {
+    /// Config file (default: config/kvindex.toml if present).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// NATS server(s) [KVINDEX_NATS_URL].
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Subject prefix, one per model or deployment [KVINDEX_PREFIX].
+    #[arg(long)]
+    prefix: Option<String>,
     /// Log as JSON lines instead of text.
     #[arg(long)]
     log_json: bool,
@@ -202,15 +209,8 @@ struct BenchArgs {
 /// Flags of `serve`; each overrides the config file and the `KVINDEX_*` environment.
 #[derive(Args)]
 struct ServeArgs {
-    /// Config file (default: config/kvindex.toml if present).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// NATS server(s) [KVINDEX_NATS_URL].
-    #[arg(long)]
-    nats_url: Option<String>,
-    /// Subject prefix, one per model or deployment [KVINDEX_PREFIX].
-    #[arg(long)]
-    prefix: Option<String>,
+    #[command(flatten)]
+    common: DaemonFlags,
     /// Address of /metrics, /healthz, /readyz [KVINDEX_METRICS_ADDR].
     #[arg(long)]
     metrics_addr: Option<String>,
@@ -223,9 +223,6 @@ struct ServeArgs {
     /// Index backend: positional or radix [KVINDEX_BACKEND].
     #[arg(long, value_parser = parse_backend)]
     backend: Option<Backend>,
-    /// Log as JSON lines instead of text.
-    #[arg(long)]
-    log_json: bool,
 }
 
 #[derive(Args)]
@@ -314,7 +311,11 @@ fn main() -> Result<()> {
     if cli.check_args {
         return Ok(());
     }
-    let json = matches!(&cli.cmd, Command::Serve(a) if a.log_json) || matches!(&cli.cmd, Command::Bridge(a) if a.log_json);
+    let json = match &cli.cmd {
+        Command::Serve(a) => a.common.log_json,
+        Command::Bridge(a) => a.common.log_json,
+        _ => false,
+    };
     // The daemon logs its own lifecycle; the benchmarks print tables and log only trouble.
     // RUST_LOG overrides either.
     let default = if matches!(cli.cmd, Command::Serve(_) | Command::Bridge(_)) { "info,async_nats=warn" } else { "warn" };
@@ -372,8 +373,8 @@ fn e2e_cmd(a: E2eArgs) -> Result<()> {
 }
 
 fn bridge_cmd(a: BridgeArgs) -> Result<()> {
-    let overrides = Overrides { nats_url: a.nats_url, prefix: a.prefix, ..Overrides::default() };
-    let mut cfg = Config::load(a.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
+    let overrides = Overrides { nats_url: a.common.nats_url, prefix: a.common.prefix, ..Overrides::default() };
+    let mut cfg = Config::load(a.common.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
     let flags = kvindex::config::BridgeOverrides {
         zmq: a.zmq,
         replay: a.replay,
@@ -435,14 +436,14 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
 
 fn serve_cmd(a: ServeArgs) -> Result<()> {
     let overrides = Overrides {
-        nats_url: a.nats_url,
-        prefix: a.prefix,
+        nats_url: a.common.nats_url,
+        prefix: a.common.prefix,
         metrics_addr: a.metrics_addr,
         apply_threads: a.apply_threads,
         worker_ttl: a.worker_ttl,
         backend: a.backend,
     };
-    let cfg = Config::load(a.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
+    let cfg = Config::load(a.common.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kvindex").build()?;
     rt.block_on(kvindex::service::serve(cfg, shutdown_signal()))
 }

@@ -62,19 +62,22 @@ pub struct HotMetrics {
     pub lookup_duration_error: Histogram,
 }
 
-fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
+/// Registers a counter (here and in the bridge's registry).
+pub(crate) fn counter(r: &Registry, name: &str, help: &str) -> IntCounter {
     let c = IntCounter::new(name, help).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
     c
 }
 
-fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+/// Registers a labelled counter.
+pub(crate) fn counter_vec(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric");
     r.register(Box::new(c.clone())).expect("unique metric");
     c
 }
 
-fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+/// Registers a gauge.
+pub(crate) fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     let g = IntGauge::new(name, help).expect("valid metric");
     r.register(Box::new(g.clone())).expect("unique metric");
     g

@@ -1,6 +1,7 @@
 //! The bridge's Prometheus metrics, and its HTTP server: `/metrics`, `/healthz` (alive),
 //! `/readyz` (connected to NATS and subscribed to every rank's engine socket).
 
+use crate::metrics::{counter, counter_vec, gauge};
 use prometheus::{
     Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
 };
@@ -39,24 +40,15 @@ pub struct BridgeMetrics {
 impl BridgeMetrics {
     pub fn new() -> Self {
         let r = Registry::new();
-        let counter = |name: &str, help: &str| {
-            let c = IntCounter::new(name, help).expect("valid metric");
-            r.register(Box::new(c.clone())).expect("unique metric");
-            c
-        };
-        let counter_vec = |name: &str, help: &str, label: &str| {
-            let c = IntCounterVec::new(Opts::new(name, help), &[label]).expect("valid metric");
-            r.register(Box::new(c.clone())).expect("unique metric");
-            c
-        };
+        let counter = |name: &str, help: &str| counter(&r, name, help);
+        let counter_vec = |name: &str, help: &str, label: &str| counter_vec(&r, name, help, &[label]);
         let zmq_connected = IntGaugeVec::new(
             Opts::new("kvindex_bridge_zmq_connected", "1 while subscribed to the rank's engine socket."),
             &["rank"],
         )
         .expect("valid metric");
         r.register(Box::new(zmq_connected.clone())).expect("unique metric");
-        let nats_connected = IntGauge::new("kvindex_bridge_nats_connected", "1 while connected to NATS.").expect("valid metric");
-        r.register(Box::new(nats_connected.clone())).expect("unique metric");
+        let nats_connected = gauge(&r, "kvindex_bridge_nats_connected", "1 while connected to NATS.");
         let engine_lag = Histogram::with_opts(
             HistogramOpts::new(
                 "kvindex_bridge_engine_lag_seconds",

@@ -136,16 +136,15 @@ async fn answer<I: KvIndex>(
             let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
             let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
-            let mut found: Vec<TieredMatch> = if tiers == [Tier::Device] {
-                index
-                    .find_matches(&query, &opts)
-                    .into_iter()
-                    .map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() })
-                    .collect()
+            let found: Vec<TieredMatch> = if tiers == [Tier::Device] {
+                let mut device = index.find_matches(&query, &opts);
+                device.truncate(limit);
+                device.into_iter().map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() }).collect()
             } else {
-                find_tiered(index, others, &tiers, &query, &opts)
+                let mut all = find_tiered(index, others, &tiers, &query, &opts);
+                all.truncate(limit);
+                all
             };
-            found.truncate(limit);
             let asked = |t: Tier, depth: u32| tiers.contains(&t).then_some(depth);
             let matches: Vec<MatchEntry> = found
                 .iter()

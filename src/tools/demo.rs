@@ -8,7 +8,7 @@
 //! round-robin, random, and an oracle that reads every cache directly (the best any index can
 //! do with this cost function; kvindex, being exact, should come close).
 
-use crate::tools::harness::{buckets, free_port, http_body, quantile, sample, Daemon, NatsProcess};
+use crate::tools::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon};
 use crate::tools::trace::{chain_hashes, request_locals, PrefixCache, SplitMix64, TraceRequest};
 use anyhow::{Context, Result};
 use hdrhistogram::Histogram;
@@ -306,14 +306,7 @@ fn panel(
 pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::future::Future<Output = ()>) -> Result<DemoReport> {
     anyhow::ensure!(!trace.is_empty(), "the trace has no requests");
     anyhow::ensure!(cfg.workers > 0 && cfg.workers <= 4096, "workers: 1 to 4096");
-    let (_nats, url) = match &cfg.nats_url {
-        Some(u) => (None, u.clone()),
-        None => {
-            let server = NatsProcess::start()?;
-            let url = server.url();
-            (Some(server), url)
-        }
-    };
+    let (_nats, url) = nats_or_own(cfg.nats_url.as_deref())?;
     let (daemon, metrics_addr) = match &cfg.kvindex_metrics {
         Some(addr) => (None, addr.trim_start_matches("http://").trim_end_matches('/').to_string()),
         None => {

@@ -4,7 +4,7 @@
 //! Reports sustained blocks applied per second, event lag and lookup round trips.
 
 use crate::tools::bench::Workload;
-use crate::tools::harness::{buckets, free_port, http_body, quantile, sample, Daemon, NatsProcess};
+use crate::tools::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon};
 use crate::tools::stream::Op;
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
@@ -72,14 +72,7 @@ fn bucket_quantile(text: &str, series: &str, q: f64) -> f64 {
 
 /// Runs the whole system once and reports.
 pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
-    let (_nats, url) = match &cfg.nats_url {
-        Some(u) => (None, u.clone()),
-        None => {
-            let server = NatsProcess::start()?;
-            let url = server.url();
-            (Some(server), url)
-        }
-    };
+    let (_nats, url) = nats_or_own(cfg.nats_url.as_deref())?;
     let prefix = format!("e2e{}", std::process::id());
     let daemon_cfg = || -> Result<Config> {
         Ok(Config {

@@ -93,6 +93,19 @@ impl Drop for NatsProcess {
     }
 }
 
+/// The NATS server at `url`, or (`None`) one of our own on a free loopback port: the child
+/// to keep alive for as long as it is used, and its URL.
+pub fn nats_or_own(url: Option<&str>) -> Result<(Option<NatsProcess>, String)> {
+    match url {
+        Some(u) => Ok((None, u.to_string())),
+        None => {
+            let server = NatsProcess::start()?;
+            let url = server.url();
+            Ok((Some(server), url))
+        }
+    }
+}
+
 /// GET `path` from the daemon's HTTP server over HTTP/1.0 (so the server closes): (status,
 /// body); `None` if it does not answer within 5 s.
 pub async fn http_get(addr: &str, path: &str) -> Option<(u16, String)> {
