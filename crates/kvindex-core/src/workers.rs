@@ -252,8 +252,13 @@ impl WorkerSet {
         }
     }
 
-    /// Tries to fold a spilled set back inline; `None` if it still spans windows.
+    /// Tries to fold a spilled set back inline; `None` if it still spans windows. Its first
+    /// and last members tell, so a set of a thousand workers costs a word scan, not a walk.
     pub fn from_bits(bits: &SlotBits) -> Option<WorkerSet> {
+        let (Some(first), Some(last)) = (bits.first(), bits.last()) else { return Some(WorkerSet::EMPTY) };
+        if first / WINDOW_BITS != last / WINDOW_BITS {
+            return None;
+        }
         let mut s = WorkerSet::EMPTY;
         for slot in bits.iter() {
             if s.insert(slot) == SetInsert::NeedsSpill {
@@ -329,6 +334,18 @@ pub struct SlotBits {
 }
 
 impl SlotBits {
+    /// Its lowest member.
+    pub fn first(&self) -> Option<Slot> {
+        let i = self.words.iter().position(|&w| w != 0)?;
+        Some(i as Slot * 64 + self.words[i].trailing_zeros())
+    }
+
+    /// Its highest member.
+    pub fn last(&self) -> Option<Slot> {
+        let i = self.words.iter().rposition(|&w| w != 0)?;
+        Some(i as Slot * 64 + 63 - self.words[i].leading_zeros())
+    }
+
     /// An empty set with room for `slots` slots.
     pub fn with_width(slots: u32) -> Self {
         SlotBits { words: vec![0; slots.div_ceil(64) as usize] }
@@ -462,6 +479,26 @@ mod tests {
         assert!(s.contains_inline(1000));
         assert!(!s.contains_inline(1000 - 56));
         assert_eq!(s.insert(255 * 56), SetInsert::NeedsSpill);
+    }
+
+    #[test]
+    fn a_dense_set_folds_back_inline_only_within_one_window() {
+        let mut b = SlotBits::with_width(300);
+        assert_eq!((b.first(), b.last()), (None, None));
+        assert_eq!(WorkerSet::from_bits(&b), Some(WorkerSet::EMPTY));
+        for x in [57, 63, 64, 111] {
+            b.insert(x);
+        }
+        assert_eq!((b.first(), b.last()), (Some(57), Some(111)));
+        let inline = WorkerSet::from_bits(&b).expect("slots 56..=111 share a window");
+        assert!([57, 63, 64, 111].iter().all(|&x| inline.contains_inline(x)));
+        b.insert(299);
+        assert_eq!(b.last(), Some(299));
+        assert_eq!(WorkerSet::from_bits(&b), None);
+        b.remove(299);
+        b.insert(55);
+        assert_eq!(b.first(), Some(55));
+        assert_eq!(WorkerSet::from_bits(&b), None);
     }
 
     #[test]

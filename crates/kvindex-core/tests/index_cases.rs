@@ -140,3 +140,45 @@ fn many_workers_and_slot_reuse<I: KvIndex>(index: I) {
     assert_eq!(now.len(), 101);
     assert!(now.contains(&(12345, 0, 1)));
 }
+
+// A hole hides what hangs under it from the positional index's lookups until it is filled
+// again; a second copy of a hidden block (another engine hash at the same place) must keep
+// the first one's children reachable once that copy is removed.
+for_each_backend!(removing_one_of_two_hidden_copies_keeps_the_children_reachable);
+fn removing_one_of_two_hidden_copies_keeps_the_children_reachable<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(3, 0)).unwrap();
+    let all = MatchOptions::default();
+    index.store(&mut w, None, &chain([1, 2, 3], [11, 12, 13]));
+    index.remove(&mut w, &[BlockHash(1)]);
+    assert_eq!(depths(&index, &[11, 12, 13, 14], &all), vec![]);
+    // Under the hole: another copy of block 3, then a child of the first copy.
+    index.store(&mut w, Some(BlockHash(2)), &chain([4], [13]));
+    index.store(&mut w, Some(BlockHash(3)), &chain([5], [14]));
+    index.remove(&mut w, &[BlockHash(3)]);
+    index.store(&mut w, None, &chain([1], [11]));
+    assert_eq!(depths(&index, &[11, 12, 13, 14, 15], &all), vec![(3, 0, 4)]);
+}
+
+// Filling a hole shows everything under it again, across jump windows and branches.
+for_each_backend!(filling_a_hole_shows_the_subtree_again);
+fn filling_a_hole_shows_the_subtree_again<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(4, 0)).unwrap();
+    let all = MatchOptions::default();
+    let locals: Vec<u64> = (100..140).collect();
+    index.store(&mut w, None, &chain(1000..1040, locals.clone()));
+    // A branch off block 20, and a hole at block 5.
+    index.store(&mut w, Some(BlockHash(1020)), &chain(2000..2010, 900..910));
+    index.remove(&mut w, &[BlockHash(1005)]);
+    assert_eq!(depths(&index, &locals, &all), vec![(4, 0, 5)]);
+    let branch: Vec<u64> = locals[..21].iter().copied().chain(900..910).collect();
+    assert_eq!(depths(&index, &branch, &all), vec![(4, 0, 5)]);
+    // Another engine hash for the missing block fills the hole just as well.
+    index.store(&mut w, Some(BlockHash(1004)), &chain([7777], [105]));
+    assert_eq!(depths(&index, &locals, &all), vec![(4, 0, 40)]);
+    assert_eq!(depths(&index, &branch, &all), vec![(4, 0, 31)]);
+    // The orphaned subtree's own blocks can go while it is hidden.
+    index.remove(&mut w, &[BlockHash(7777), BlockHash(2005), BlockHash(1030)]);
+    index.store(&mut w, Some(BlockHash(1004)), &chain([1005], [105]));
+    assert_eq!(depths(&index, &locals, &all), vec![(4, 0, 30)]);
+    assert_eq!(depths(&index, &branch, &all), vec![(4, 0, 26)]);
+}

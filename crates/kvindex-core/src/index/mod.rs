@@ -85,6 +85,9 @@ pub struct IndexStats {
     pub entries: u64,
     /// Workers holding a slot.
     pub workers: u64,
+    /// Placements hidden from lookups because an ancestor is missing (positional only):
+    /// they wait for it to be stored again.
+    pub hidden: u64,
 }
 
 /// Errors of the index itself (not of the input).

@@ -7,10 +7,15 @@
 //! different parents (collisions) are simply separate entries, never merged.
 //!
 //! Lookups use jump search: probe every `jump` positions and binary-search inside a jump
-//! only where workers dropped out. That is exact only for workers whose cache is
-//! prefix-closed (every held block's parent is held), so each writer counts its orphans
-//! (blocks whose parent was removed under them); a lookup that meets a worker with orphans
-//! checks every position instead.
+//! only where workers dropped out. That is exact only if, inside each jump window
+//! `(k * jump, (k + 1) * jump]`, what a lookup sees of a worker is prefix-closed. A block
+//! whose ancestor is missing can never be part of a match, so the writer hides from lookups
+//! every orphan (a held block whose parent is not held) and its descendants in the orphan's
+//! own window, and shows them again when a block is stored at the missing parent's place.
+//! Holes cost the writes that make and fill them, bounded by one window, and nothing to
+//! lookups. Each block links to its children for that; orphans wait by the place they need.
+//! A worker that holds one place under two engine hashes at once is "tangled": nothing is
+//! hidden, and lookups that meet it check every position, until it is cleared.
 
 use super::linear::{prefetch_raw, LinearMap};
 use super::{candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
@@ -92,11 +97,12 @@ struct WriteCursor<'a> {
     guard: Option<RwLockWriteGuard<'a, Box<[LevelData]>>>,
     held: u32,
     entries: i64,
+    hidden: i64,
 }
 
 impl<'a> WriteCursor<'a> {
     fn new(index: &'a PositionalIndex) -> Self {
-        WriteCursor { index, chunk: 0, guard: None, held: 0, entries: 0 }
+        WriteCursor { index, chunk: 0, guard: None, held: 0, entries: 0, hidden: 0 }
     }
 
     /// The level at `pos`, write-locked; `create` allocates its chunk if missing.
@@ -123,6 +129,9 @@ impl Drop for WriteCursor<'_> {
         if self.entries != 0 {
             self.index.entries.fetch_add(self.entries, Ordering::Relaxed);
         }
+        if self.hidden != 0 {
+            self.index.hidden.fetch_add(self.hidden, Ordering::Relaxed);
+        }
     }
 }
 
@@ -133,37 +142,70 @@ pub struct PositionalIndex {
     chunks: Box<[OnceLock<Chunk>]>,
     placements: AtomicI64,
     entries: AtomicI64,
+    hidden: AtomicI64,
 }
 
-/// A held block in a worker's reverse map (32 bytes with its key, the engine hash).
+/// `Rec::meta` bits: the block has a first child (`Rec::first_child` is valid).
+const HAS_CHILD: u32 = 1 << 31;
+/// `Rec::meta` bits: hidden from lookups (an ancestor is missing; see the module doc).
+const HIDDEN: u32 = 1 << 30;
+/// `Rec::meta` bits: an orphan, waiting in `PositionalWriter::waiting`.
+const ORPHAN: u32 = 1 << 29;
+/// `Rec::meta` bits: the block has children past the first (in `more_children`).
+const HAS_MORE: u32 = 1 << 28;
+/// `Rec::meta` bits: 1 + its index in the list that holds it (its parent's `more_children`,
+/// or its wait list), 0 if it is its parent's first child or a root.
+const SIB_MASK: u32 = HAS_MORE - 1;
+/// Most siblings looked at to tell whether a hidden block's place is held twice; a worker
+/// with a bigger family there is treated as if it were.
+const MAX_SIBLING_SCAN: usize = 64;
+
+/// A held block in a worker's reverse map (40 bytes with its key, the engine hash).
 #[derive(Clone, Copy, Debug, Default)]
 struct Rec {
-    /// Engine hash of the parent this block was stored under (unused at position 0).
+    /// Engine hash of its parent; for an orphan, the prefix hash of the parent it waits for.
     parent: u64,
     prefix: u64,
+    /// Engine hash of its first child (valid under `HAS_CHILD`), so subtrees can be walked.
+    first_child: u64,
     pos: u32,
-    /// Held blocks stored under this one.
-    children: u32,
+    /// Flags and sibling index (see `HAS_CHILD`, `HIDDEN`, `ORPHAN`, `HAS_MORE`, `SIB_MASK`).
+    meta: u32,
 }
 
-/// A worker's reverse map: engine block hash -> (position, prefix hash), plus the
-/// bookkeeping that tells whether its cache is prefix-closed.
+impl Rec {
+    fn hidden(&self) -> bool {
+        self.meta & HIDDEN != 0
+    }
+
+    fn place(&self) -> (u32, u64) {
+        (self.pos, self.prefix)
+    }
+}
+
+/// A worker's reverse map: engine block hash -> (position, prefix hash), with the links
+/// that keep the blocks under a missing ancestor out of the lookups' sight.
 pub struct PositionalWriter {
     id: WorkerId,
     slot: Slot,
     blocks: LinearMap<Rec>,
-    /// Held blocks whose parent is not held (the cache is not prefix-closed while > 0).
-    orphans: u64,
-    /// Orphans by the engine hash of the parent they wait for: (its position, its prefix,
-    /// how many wait).
-    waiting: SeededMap<u64, (u32, u64, u32)>,
-    /// Set when an engine hash was reused in a way the orphan count cannot follow; the
-    /// worker is then always checked position by position, until it is cleared.
+    /// Children past the first, by the parent's engine hash (only branch points have any).
+    more_children: SeededMap<u64, Vec<u64>>,
+    /// Orphans (held blocks whose parent is not held) by the place (position, prefix) of the
+    /// parent they wait for: a block stored there, under any engine hash, adopts them.
+    waiting: SeededMap<(u32, u64), Vec<u64>>,
+    /// Its hidden blocks.
+    hidden: u64,
+    /// Set when one place is held under two engine hashes at once (an alias), which the
+    /// links cannot follow: nothing is hidden and lookups check the worker position by
+    /// position, until it is cleared.
     tangled: bool,
-    /// Extra records holding an already-held (position, prefix) under another engine hash.
+    /// In a tangled worker, extra records holding an already-held place.
     aliases: SeededMap<(u32, u64), u32>,
     /// Scratch: prefix hashes of the chain being stored.
     chain: Vec<u64>,
+    /// Scratch: the blocks left to visit in a subtree walk.
+    stack: Vec<u64>,
     /// Its blocks past `max_depth` (see [`Beyond`]).
     beyond: Beyond,
 }
@@ -173,53 +215,163 @@ const PREFETCH: usize = 8;
 
 impl PositionalWriter {
     fn holey(&self) -> bool {
-        self.orphans > 0 || self.tangled
+        self.tangled
     }
 
-    fn add_waiting(&mut self, parent: u64, parent_pos: u32, parent_prefix: u64, n: u32) {
-        self.orphans += n as u64;
-        match self.waiting.entry(parent) {
-            std::collections::hash_map::Entry::Vacant(v) => {
-                v.insert((parent_pos, parent_prefix, n));
-            }
-            std::collections::hash_map::Entry::Occupied(mut o) => {
-                let (pos, p, c) = o.get_mut();
-                if (*pos, *p) != (parent_pos, parent_prefix) {
-                    self.tangled = true;
+    fn set_sib(&mut self, hash: u64, idx: u32) {
+        if let Some(r) = self.blocks.get_mut(hash) {
+            r.meta = (r.meta & !SIB_MASK) | idx;
+        }
+    }
+
+    /// Appends `list` to the list at `key`, recording each one's index; false if an index no
+    /// longer fits (only a worker with hundreds of millions of blocks gets there).
+    fn push_all<K: std::hash::Hash + Eq>(
+        lists: &mut SeededMap<K, Vec<u64>>,
+        blocks: &mut LinearMap<Rec>,
+        key: K,
+        list: &[u64],
+        orphan: Option<u64>,
+    ) -> bool {
+        let v = lists.entry(key).or_default();
+        for &h in list {
+            v.push(h);
+            if let Some(r) = blocks.get_mut(h) {
+                r.meta = (r.meta & !(SIB_MASK | ORPHAN)) | (v.len() as u32 & SIB_MASK);
+                if let Some(pp) = orphan {
+                    r.meta |= ORPHAN;
+                    r.parent = pp;
                 }
-                *c += n;
             }
         }
+        v.len() < SIB_MASK as usize
     }
 
-    /// Orphans waiting for the block `hash` at (`pos`, `prefix`) attach to it now.
-    fn take_waiting(&mut self, hash: u64, pos: u32, prefix: u64) -> u32 {
-        match self.waiting.get(&hash) {
-            Some(&(at, p, n)) if (at, p) == (pos, prefix) => {
-                self.waiting.remove(&hash);
-                self.orphans -= n as u64;
-                n
-            }
-            Some(_) => {
-                // Same engine hash, another block: its orphans are not this block's children.
-                self.tangled = true;
-                0
-            }
-            None => 0,
+    /// Removes entry `idx - 1` of the list at `key`, moving the last one into its place;
+    /// whether the list is gone.
+    fn swap_out<K: std::hash::Hash + Eq>(
+        lists: &mut SeededMap<K, Vec<u64>>,
+        blocks: &mut LinearMap<Rec>,
+        key: K,
+        idx: u32,
+    ) -> bool {
+        let Some(v) = lists.get_mut(&key) else { return true };
+        let i = (idx as usize).wrapping_sub(1);
+        if i >= v.len() {
+            return false;
         }
+        v.swap_remove(i);
+        if let Some(&moved) = v.get(i) {
+            if let Some(r) = blocks.get_mut(moved) {
+                r.meta = (r.meta & !SIB_MASK) | idx;
+            }
+        }
+        if v.is_empty() {
+            lists.remove(&key);
+            return true;
+        }
+        false
     }
 
-    /// An orphan stored under `parent` goes away.
-    fn drop_waiting(&mut self, parent: u64) {
-        if let Some((_, _, n)) = self.waiting.get_mut(&parent) {
-            *n -= 1;
-            self.orphans -= 1;
-            if *n == 0 {
-                self.waiting.remove(&parent);
+    /// Hangs the held block `child` under the held block `parent`; false if the links no
+    /// longer fit (see `push_all`).
+    fn link(&mut self, parent: u64, child: u64) -> bool {
+        let Some(p) = self.blocks.get_mut(parent) else { return true };
+        if p.meta & HAS_CHILD == 0 {
+            p.meta |= HAS_CHILD;
+            p.first_child = child;
+            if let Some(c) = self.blocks.get_mut(child) {
+                c.parent = parent;
+                c.meta &= !(SIB_MASK | ORPHAN);
             }
         } else {
-            self.tangled = true;
+            p.meta |= HAS_MORE;
+            if let Some(c) = self.blocks.get_mut(child) {
+                c.parent = parent;
+            }
+            return Self::push_all(&mut self.more_children, &mut self.blocks, parent, &[child], None);
         }
+        true
+    }
+
+    /// Clears `HAS_MORE` on `parent` (its extra children are gone).
+    fn no_more(&mut self, parent: u64) {
+        if let Some(p) = self.blocks.get_mut(parent) {
+            p.meta &= !HAS_MORE;
+        }
+    }
+
+    /// Takes the removed block `rec` out of its parent's children, or out of its wait list.
+    fn unlink(&mut self, rec: &Rec) {
+        let idx = rec.meta & SIB_MASK;
+        if rec.meta & ORPHAN != 0 {
+            Self::swap_out(&mut self.waiting, &mut self.blocks, (rec.pos.wrapping_sub(1), rec.parent), idx);
+        } else if rec.pos > 0 && idx > 0 {
+            if Self::swap_out(&mut self.more_children, &mut self.blocks, rec.parent, idx) {
+                self.no_more(rec.parent);
+            }
+        } else if rec.pos > 0 {
+            match self.blocks.get_mut(rec.parent) {
+                Some(p) if p.meta & HAS_MORE == 0 => {
+                    p.meta &= !HAS_CHILD;
+                    return;
+                }
+                None => return,
+                Some(_) => {}
+            }
+            let promoted = match self.more_children.get_mut(&rec.parent) {
+                Some(v) => {
+                    let last = v.pop();
+                    if v.is_empty() {
+                        self.more_children.remove(&rec.parent);
+                        self.no_more(rec.parent);
+                    }
+                    last
+                }
+                None => None,
+            };
+            if let Some(p) = self.blocks.get_mut(rec.parent) {
+                match promoted {
+                    Some(x) => p.first_child = x,
+                    None => p.meta &= !HAS_CHILD,
+                }
+            }
+            if let Some(x) = promoted {
+                self.set_sib(x, 0);
+            }
+        }
+    }
+
+    /// Pushes the children of `hash` (its record `rec`) onto `out`.
+    fn children_into(&self, hash: u64, rec: &Rec, out: &mut Vec<u64>) {
+        if rec.meta & HAS_CHILD != 0 {
+            out.push(rec.first_child);
+            if rec.meta & HAS_MORE != 0 {
+                if let Some(more) = self.more_children.get(&hash) {
+                    out.extend_from_slice(more);
+                }
+            }
+        }
+    }
+
+    /// Whether another of its blocks holds the place of the removed hidden block `rec`: only
+    /// a sibling can (same parent place); a family too big to scan counts as yes.
+    fn place_held_twice(&self, rec: &Rec) -> bool {
+        let same = |h: &u64| self.blocks.get(*h).is_some_and(|s| s.place() == rec.place());
+        let siblings: &[u64] = if rec.meta & ORPHAN != 0 {
+            self.waiting.get(&(rec.pos.wrapping_sub(1), rec.parent)).map_or(&[], |v| v.as_slice())
+        } else {
+            match self.blocks.get(rec.parent) {
+                Some(p) if p.meta & HAS_CHILD != 0 => {
+                    if same(&p.first_child) {
+                        return true;
+                    }
+                    self.more_children.get(&rec.parent).map_or(&[], |v| v.as_slice())
+                }
+                _ => &[],
+            }
+        };
+        siblings.len() > MAX_SIBLING_SCAN || siblings.iter().any(same)
     }
 }
 
@@ -262,6 +414,7 @@ impl PositionalIndex {
             chunks: (0..nchunks).map(|_| OnceLock::new()).collect(),
             placements: AtomicI64::new(0),
             entries: AtomicI64::new(0),
+            hidden: AtomicI64::new(0),
         }
     }
 
@@ -306,28 +459,195 @@ impl PositionalIndex {
         }
     }
 
-    /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
-    /// and its parent's children.
-    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec) {
-        let key = (rec.pos, rec.prefix);
-        match if w.aliases.is_empty() { None } else { w.aliases.get_mut(&key) } {
-            Some(n) => {
-                *n -= 1;
-                if *n == 0 {
-                    w.aliases.remove(&key);
+    /// Puts the new block `hash` at `place` in the reverse map, linked under its parent (or as
+    /// an orphan), shows or hides it, and adopts the orphans waiting for its place; whether it
+    /// is hidden.
+    fn place_new(
+        &self,
+        cur: &mut WriteCursor<'_>,
+        w: &mut PositionalWriter,
+        hash: u64,
+        place: (u32, u64),
+        parent: Option<ParentRef>,
+        under_hidden: bool,
+    ) -> bool {
+        let (pos, prefix) = place;
+        let mut rec = Rec { parent: 0, prefix, first_child: 0, pos, meta: 0 };
+        let mut clean = true;
+        let hidden = match parent {
+            None => false,
+            Some(ParentRef { hash: ph, held: true, .. }) => {
+                rec.parent = ph;
+                match w.blocks.get_mut(ph) {
+                    Some(p) if p.meta & HAS_CHILD == 0 => {
+                        p.meta |= HAS_CHILD;
+                        p.first_child = hash;
+                    }
+                    Some(p) => {
+                        p.meta |= HAS_MORE;
+                        let v = w.more_children.entry(ph).or_default();
+                        v.push(hash);
+                        rec.meta = v.len() as u32 & SIB_MASK;
+                        clean = v.len() < SIB_MASK as usize;
+                    }
+                    None => {}
+                }
+                under_hidden && self.same_window(pos - 1)
+            }
+            Some(ParentRef { prefix: pp, held: false, .. }) => {
+                rec.parent = pp;
+                let v = w.waiting.entry((pos - 1, pp)).or_default();
+                v.push(hash);
+                rec.meta = ORPHAN | (v.len() as u32 & SIB_MASK);
+                clean = v.len() < SIB_MASK as usize;
+                true
+            }
+        };
+        if hidden {
+            rec.meta |= HIDDEN;
+            cur.hidden += 1;
+            w.hidden += 1;
+        }
+        w.blocks.insert(hash, rec);
+        if !hidden && !self.index_add(cur, pos, prefix, w.slot) {
+            *w.aliases.entry(place).or_default() += 1;
+            clean = false;
+        }
+        if !w.waiting.is_empty() {
+            if let Some(orphans) = w.waiting.remove(&place) {
+                for &o in &orphans {
+                    clean &= w.link(hash, o);
+                }
+                if !(hidden && self.same_window(rec.pos)) {
+                    clean &= self.reveal(cur, w, orphans);
                 }
             }
-            None => self.index_remove(cur, rec.pos, rec.prefix, w.slot),
         }
-        if rec.children > 0 {
-            w.add_waiting(hash, rec.pos, rec.prefix, rec.children);
+        if !clean {
+            self.tangle(cur, w);
         }
-        if rec.pos > 0 {
-            match w.blocks.get_mut(rec.parent).filter(|p| p.pos + 1 == rec.pos) {
-                Some(p) => p.children = p.children.saturating_sub(1),
-                None => w.drop_waiting(rec.parent),
+        hidden
+    }
+
+    /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
+    /// and its parent's children; its children become orphans, hidden with their subtrees.
+    /// `parent_of_next`: the chain being stored continues under it (as an orphan).
+    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec, parent_of_next: bool) {
+        if w.tangled {
+            let key = rec.place();
+            match if w.aliases.is_empty() { None } else { w.aliases.get_mut(&key) } {
+                Some(n) => {
+                    *n -= 1;
+                    if *n == 0 {
+                        w.aliases.remove(&key);
+                    }
+                }
+                None => self.index_remove(cur, rec.pos, rec.prefix, w.slot),
+            }
+            return;
+        }
+        if rec.hidden() {
+            w.hidden -= 1;
+            cur.hidden -= 1;
+        } else {
+            self.index_remove(cur, rec.pos, rec.prefix, w.slot);
+        }
+        // Two hidden blocks at one place are not seen when stored; the children of one must
+        // not be orphaned while the other holds their parent's place.
+        let twice = rec.hidden() && (rec.meta & HAS_CHILD != 0 || parent_of_next) && w.place_held_twice(&rec);
+        w.unlink(&rec);
+        if twice {
+            self.tangle(cur, w);
+            return;
+        }
+        if rec.meta & HAS_CHILD == 0 {
+            return;
+        }
+        let mut kids = std::mem::take(&mut w.stack);
+        kids.clear();
+        w.children_into(hash, &rec, &mut kids);
+        if rec.meta & HAS_MORE != 0 {
+            w.more_children.remove(&hash);
+        }
+        let fits = PositionalWriter::push_all(&mut w.waiting, &mut w.blocks, rec.place(), &kids, Some(rec.prefix));
+        self.hide(cur, w, kids);
+        if !fits {
+            self.tangle(cur, w);
+        }
+    }
+
+    /// Whether positions `pos` and `pos + 1` lie in one jump window: `(k * jump, (k + 1) * jump]`,
+    /// position 0 alone in its own.
+    #[inline]
+    fn same_window(&self, pos: u32) -> bool {
+        pos as usize % self.cfg.jump != 0
+    }
+
+    /// Hides the blocks in `stack` (new orphans) and their descendants in the same jump window
+    /// from lookups.
+    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) {
+        while let Some(h) = stack.pop() {
+            let Some(r) = w.blocks.get_mut(h) else { continue };
+            if r.hidden() {
+                continue;
+            }
+            r.meta |= HIDDEN;
+            let rec = *r;
+            self.index_remove(cur, rec.pos, rec.prefix, w.slot);
+            w.hidden += 1;
+            cur.hidden += 1;
+            if self.same_window(rec.pos) {
+                w.children_into(h, &rec, &mut stack);
             }
         }
+        w.stack = stack;
+    }
+
+    /// Shows the blocks in `stack` (orphans just adopted under a visible parent) and their
+    /// descendants in the same jump window; false if a place turned out to be held twice (the
+    /// caller then tangles the worker).
+    fn reveal(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) -> bool {
+        let mut clean = true;
+        while let Some(h) = stack.pop() {
+            let Some(r) = w.blocks.get_mut(h) else { continue };
+            if !r.hidden() || r.meta & ORPHAN != 0 {
+                continue;
+            }
+            r.meta &= !HIDDEN;
+            let rec = *r;
+            w.hidden -= 1;
+            cur.hidden -= 1;
+            if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
+                *w.aliases.entry(rec.place()).or_default() += 1;
+                clean = false;
+            }
+            if self.same_window(rec.pos) {
+                w.children_into(h, &rec, &mut stack);
+            }
+        }
+        w.stack = stack;
+        clean
+    }
+
+    /// The worker holds a place twice (or its links overflowed): every hidden block is shown
+    /// and the worker is checked position by position from now on, until it is cleared.
+    fn tangle(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter) {
+        w.tangled = true;
+        if w.hidden > 0 {
+            let hidden: Vec<u64> = w.blocks.iter().filter(|(_, r)| r.hidden()).map(|(h, _)| h).collect();
+            for h in hidden {
+                let Some(r) = w.blocks.get_mut(h) else { continue };
+                r.meta &= !HIDDEN;
+                let rec = *r;
+                cur.hidden -= 1;
+                if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
+                    *w.aliases.entry(rec.place()).or_default() += 1;
+                }
+            }
+        }
+        w.hidden = 0;
+        w.waiting = SeededMap::default();
+        w.more_children = SeededMap::default();
     }
 
     fn note_holey(&self, w: &PositionalWriter, was: bool) {
@@ -420,11 +740,13 @@ impl KvIndex for PositionalIndex {
             id: worker,
             slot,
             blocks: LinearMap::default(),
-            orphans: 0,
+            more_children: SeededMap::default(),
             waiting: SeededMap::default(),
+            hidden: 0,
             tangled: false,
             aliases: SeededMap::default(),
             chain: Vec::new(),
+            stack: Vec::new(),
             beyond: Beyond::default(),
         })
     }
@@ -436,10 +758,15 @@ impl KvIndex for PositionalIndex {
     fn store(&self, w: &mut PositionalWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
         let was_holey = w.holey();
+        // Whether the block before the next one is hidden (so the next one is too).
+        let mut under_hidden = false;
         let (mut parent_ref, mut pos) = match parent {
             None => (None, 0u32),
             Some(h) => match w.blocks.get(h.0) {
-                Some(p) => (Some(ParentRef { hash: h.0, prefix: p.prefix, held: true }), p.pos + 1),
+                Some(p) => {
+                    under_hidden = p.hidden();
+                    (Some(ParentRef { hash: h.0, prefix: p.prefix, held: true }), p.pos + 1)
+                }
                 None if w.beyond.contains(h) => {
                     out.too_deep = w.beyond.add(blocks);
                     return out;
@@ -480,39 +807,31 @@ impl KvIndex for PositionalIndex {
                 if old.pos == pos && old.prefix == prefix {
                     out.duplicates += 1;
                     parent_ref = Some(ParentRef { hash, prefix, held: true });
+                    under_hidden = old.hidden();
                     pos += 1;
                     continue;
                 }
                 // The engine reused this hash for another block: its old placement goes.
                 w.blocks.remove(hash);
-                self.remove_rec(&mut cur, w, hash, old);
+                self.remove_rec(&mut cur, w, hash, old, parent_ref.is_some_and(|p| p.hash == hash));
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
                 if let Some(p) = parent_ref.as_mut() {
-                    p.held = w.blocks.get(p.hash).is_some_and(|r| r.prefix == p.prefix && r.pos + 1 == pos);
-                }
-            }
-            let mut rec = Rec { parent: 0, prefix, pos, children: 0 };
-            match parent_ref {
-                Some(ParentRef { hash: ph, held: true, .. }) => {
-                    rec.parent = ph;
-                    if let Some(p) = w.blocks.get_mut(ph) {
-                        p.children += 1;
+                    match w.blocks.get(p.hash) {
+                        Some(r) if r.prefix == p.prefix && r.pos + 1 == pos => under_hidden = r.hidden(),
+                        _ => p.held = false,
                     }
                 }
-                Some(ParentRef { hash: ph, prefix: pp, held: false }) => {
-                    rec.parent = ph;
-                    w.add_waiting(ph, pos - 1, pp, 1);
+            }
+            under_hidden = if w.tangled {
+                w.blocks.insert(hash, Rec { parent: 0, prefix, first_child: 0, pos, meta: 0 });
+                if !self.index_add(&mut cur, pos, prefix, w.slot) {
+                    *w.aliases.entry((pos, prefix)).or_default() += 1;
                 }
-                None => {}
-            }
-            if !w.waiting.is_empty() {
-                rec.children += w.take_waiting(hash, pos, prefix);
-            }
-            w.blocks.insert(hash, rec);
-            if !self.index_add(&mut cur, pos, prefix, w.slot) {
-                *w.aliases.entry((pos, prefix)).or_default() += 1;
-            }
+                false
+            } else {
+                self.place_new(&mut cur, w, hash, (pos, prefix), parent_ref, under_hidden)
+            };
             out.stored += 1;
             parent_ref = Some(ParentRef { hash, prefix, held: true });
             pos += 1;
@@ -543,7 +862,7 @@ impl KvIndex for PositionalIndex {
             let was_beyond = w.beyond.forget(*h);
             match w.blocks.remove(h.0) {
                 Some(rec) => {
-                    self.remove_rec(&mut cur, w, h.0, rec);
+                    self.remove_rec(&mut cur, w, h.0, rec, false);
                     out.removed += 1;
                 }
                 None if was_beyond => {}
@@ -558,17 +877,22 @@ impl KvIndex for PositionalIndex {
     fn clear(&self, w: &mut PositionalWriter) -> ApplyOutcome {
         let mut cur = WriteCursor::new(self);
         for (_, r) in w.blocks.iter() {
-            self.index_remove(&mut cur, r.pos, r.prefix, w.slot);
+            if r.hidden() {
+                cur.hidden -= 1;
+            } else {
+                self.index_remove(&mut cur, r.pos, r.prefix, w.slot);
+            }
         }
         drop(cur);
         let removed = w.blocks.len() as u64;
         self.placements.fetch_sub(removed as i64, Ordering::Relaxed);
         let was_holey = w.holey();
         w.blocks = LinearMap::default();
+        w.more_children = SeededMap::default();
         w.waiting = SeededMap::default();
+        w.hidden = 0;
         w.aliases = SeededMap::default();
         w.beyond.clear();
-        w.orphans = 0;
         w.tangled = false;
         self.note_holey(w, was_holey);
         ApplyOutcome { removed, ..Default::default() }
@@ -624,6 +948,7 @@ impl KvIndex for PositionalIndex {
             placements: self.placements.load(Ordering::Relaxed).max(0) as u64,
             entries: self.entries.load(Ordering::Relaxed).max(0) as u64,
             workers: self.registry.len() as u64,
+            hidden: self.hidden.load(Ordering::Relaxed).max(0) as u64,
         }
     }
 }

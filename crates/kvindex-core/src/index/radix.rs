@@ -314,6 +314,7 @@ impl KvIndex for RadixIndex {
             placements: self.placements.load(Ordering::Relaxed).max(0) as u64,
             entries: (tree.nodes.len() - 1 - tree.free.len()) as u64,
             workers: self.registry.len() as u64,
+            ..Default::default()
         }
     }
 }

@@ -143,6 +143,6 @@ impl KvIndex for ReferenceIndex {
         let all = self.workers.lock();
         let placements = all.values().map(|h| h.len() as u64).sum();
         let entries = all.values().flat_map(|h| h.values()).collect::<HashSet<_>>().len() as u64;
-        IndexStats { placements, entries, workers: self.registry.len() as u64 }
+        IndexStats { placements, entries, workers: self.registry.len() as u64, ..Default::default() }
     }
 }
