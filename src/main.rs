@@ -185,6 +185,9 @@ struct BenchArgs {
     /// Jump of the positional index's search.
     #[arg(long, default_value_t = kvindex_core::PositionalConfig::default().jump)]
     jump: usize,
+    /// Matches a lookup returns at most, deepest first (the daemon's default); 0 for all.
+    #[arg(long, default_value_t = 64)]
+    max_matches: usize,
     /// Instead of the modes: compress the trace's timeline by each factor, report achieved vs offered.
     #[arg(long)]
     sweep: bool,
@@ -512,6 +515,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         apply_threads: a.apply_threads,
         lookup_threads: a.lookup_threads,
         jump: a.jump,
+        max_matches: (a.max_matches > 0).then_some(a.max_matches),
         progress,
         repeat: a.repeat,
     };

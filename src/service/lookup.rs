@@ -135,10 +135,11 @@ async fn answer<I: KvIndex>(
         Ok((req, tiers)) => {
             let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
-            let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize) };
+            let mut opts =
+                MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize), max_matches: None };
             let found: Vec<TieredMatch> = if tiers == [Tier::Device] {
-                let mut device = index.find_matches(&query, &opts);
-                device.truncate(limit);
+                opts.max_matches = Some(limit);
+                let device = index.find_matches(&query, &opts);
                 device.into_iter().map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() }).collect()
             } else {
                 let mut all = find_tiered(index, others, &tiers, &query, &opts);

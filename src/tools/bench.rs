@@ -87,6 +87,8 @@ pub struct BenchConfig {
     pub apply_threads: usize,
     pub lookup_threads: usize,
     pub jump: usize,
+    /// Matches each lookup returns at most (`None`: all).
+    pub max_matches: Option<usize>,
     pub progress: bool,
     /// Runs of each backend; each row reports the best run (noisy machines).
     pub repeat: usize,
@@ -181,7 +183,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
         let row =
             |mode: &str, threads: String| BenchResult { backend: name.clone(), mode: mode.into(), threads, ..Default::default() };
         let one = || "1".to_string();
-        let opts = MatchOptions::default();
+        let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
 
         let needs_state = cfg.modes.contains(&Mode::Sequential) || cfg.modes.contains(&Mode::EndState);
         if needs_state {
@@ -339,7 +341,7 @@ fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: B
                 let (index, queries, done, looked, looked_blocks) = (&index, &queries, &done, &looked, &looked_blocks);
                 s.spawn(move || {
                     let mut lat = histogram();
-                    let opts = MatchOptions::default();
+                    let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
                     let mut i = t * 7919;
                     while !done.load(Ordering::Relaxed) && !queries.is_empty() {
                         let q = queries[i % queries.len()];

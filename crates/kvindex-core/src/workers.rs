@@ -148,8 +148,9 @@ pub enum SetInsert {
 impl WorkerSet {
     /// No worker.
     pub const EMPTY: WorkerSet = WorkerSet(0);
-    /// The marker of a set whose members live in the owner's [`SlotBits`].
-    pub const SPILLED: WorkerSet = WorkerSet(SPILLED_WINDOW << WINDOW_BITS);
+    /// The window byte of a set whose members live in the owner's [`Spill`] (the other bits
+    /// hold their index there).
+    const SPILLED: WorkerSet = WorkerSet(SPILLED_WINDOW << WINDOW_BITS);
 
     /// No member.
     #[inline]
@@ -269,15 +270,65 @@ impl WorkerSet {
     }
 }
 
-/// Members of [`WorkerSet`]s that spilled, kept by the owner of the sets under its own key.
-pub type Spill<K> = crate::seeded::SeededMap<K, SlotBits>;
+/// Members of the [`WorkerSet`]s that spilled, kept by the owner of the sets: a slab whose
+/// index the spilled set holds inline, so reaching the members costs no hash probe.
+#[derive(Default)]
+pub struct Spill {
+    /// Members by slab index; a freed entry is emptied and reused.
+    sets: Vec<SlotBits>,
+    /// Freed indexes.
+    free: Vec<u32>,
+}
+
+impl Spill {
+    fn get(&self, set: WorkerSet) -> Option<&SlotBits> {
+        self.sets.get((set.0 & MEMBER_MASK) as usize)
+    }
+
+    fn get_mut(&mut self, set: WorkerSet) -> Option<&mut SlotBits> {
+        self.sets.get_mut((set.0 & MEMBER_MASK) as usize)
+    }
+
+    /// Stores `bits` and returns the spilled set naming them.
+    fn add(&mut self, bits: SlotBits) -> WorkerSet {
+        let idx = match self.free.pop() {
+            Some(i) => {
+                self.sets[i as usize] = bits;
+                i
+            }
+            None => {
+                self.sets.push(bits);
+                (self.sets.len() - 1) as u32
+            }
+        };
+        WorkerSet(WorkerSet::SPILLED.0 | idx as u64)
+    }
+
+    /// Frees the members of the spilled set `set`.
+    fn release(&mut self, set: WorkerSet) {
+        if let Some(bits) = self.get_mut(set) {
+            *bits = SlotBits::default();
+            self.free.push((set.0 & MEMBER_MASK) as u32);
+        }
+    }
+
+    /// Spilled sets alive.
+    pub fn len(&self) -> usize {
+        self.sets.len() - self.free.len()
+    }
+
+    /// No spilled set alive.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
 
 impl WorkerSet {
-    /// Adds `slot`, spilling into `spill[key]` when the set outgrows its window; returns
-    /// whether the slot was new.
-    pub fn insert_spilling<K: std::hash::Hash + Eq>(&mut self, slot: Slot, key: K, spill: &mut Spill<K>) -> bool {
+    /// Adds `slot`, spilling into `spill` when the set outgrows its window; returns whether
+    /// the slot was new.
+    pub fn insert_spilling(&mut self, slot: Slot, spill: &mut Spill) -> bool {
         if self.is_spilled() {
-            let bits = spill.entry(key).or_default();
+            let Some(bits) = spill.get_mut(*self) else { return false };
             let had = bits.contains(slot);
             bits.insert(slot);
             return !had;
@@ -289,38 +340,37 @@ impl WorkerSet {
                 let mut bits = SlotBits::default();
                 self.to_bits(&mut bits);
                 bits.insert(slot);
-                spill.insert(key, bits);
-                *self = WorkerSet::SPILLED;
+                *self = spill.add(bits);
                 true
             }
         }
     }
 
     /// Removes `slot`, folding a spilled set back inline when it fits again.
-    pub fn remove_spilling<K: std::hash::Hash + Eq>(&mut self, slot: Slot, key: K, spill: &mut Spill<K>) {
+    pub fn remove_spilling(&mut self, slot: Slot, spill: &mut Spill) {
         if !self.is_spilled() {
             self.remove(slot);
             return;
         }
-        let Some(bits) = spill.get_mut(&key) else {
+        let Some(bits) = spill.get_mut(*self) else {
             *self = WorkerSet::EMPTY;
             return;
         };
         bits.remove(slot);
         if let Some(inline) = WorkerSet::from_bits(bits) {
+            spill.release(*self);
             *self = inline;
-            spill.remove(&key);
         }
     }
 
-    /// `alive &= self`, reading spilled members from `spill[key]`.
+    /// `alive &= self`, reading spilled members from `spill`.
     #[inline]
-    pub fn and_into_spilling<K: std::hash::Hash + Eq>(self, key: K, spill: &Spill<K>, alive: &mut SlotBits) {
+    pub fn and_into_spilling(self, spill: &Spill, alive: &mut SlotBits) {
         if !self.is_spilled() {
             self.and_into(alive);
             return;
         }
-        match spill.get(&key) {
+        match spill.get(self) {
             Some(bits) => alive.and_with(bits),
             None => alive.clear(),
         }
@@ -479,6 +529,36 @@ mod tests {
         assert!(s.contains_inline(1000));
         assert!(!s.contains_inline(1000 - 56));
         assert_eq!(s.insert(255 * 56), SetInsert::NeedsSpill);
+    }
+
+    #[test]
+    fn spilled_sets_live_in_a_slab_that_reuses_freed_entries() {
+        let mut spill = Spill::default();
+        let (mut a, mut b) = (WorkerSet::EMPTY, WorkerSet::EMPTY);
+        for s in [1, 100, 200] {
+            assert!(a.insert_spilling(s, &mut spill));
+            assert!(b.insert_spilling(s + 1, &mut spill));
+        }
+        assert!(!a.insert_spilling(100, &mut spill));
+        assert!(a.is_spilled() && b.is_spilled() && a != b);
+        assert_eq!(spill.len(), 2);
+        let mut alive = SlotBits::default();
+        alive.fill(256);
+        a.and_into_spilling(&spill, &mut alive);
+        assert_eq!(alive.iter().collect::<Vec<_>>(), vec![1, 100, 200]);
+        // Down to one window: folded back inline, its slab entry freed and reused.
+        a.remove_spilling(1, &mut spill);
+        a.remove_spilling(200, &mut spill);
+        assert!(!a.is_spilled() && a.contains_inline(100));
+        assert_eq!(spill.len(), 1);
+        let mut c = WorkerSet::EMPTY;
+        c.insert_spilling(0, &mut spill);
+        c.insert_spilling(255, &mut spill);
+        assert_eq!(spill.len(), 2);
+        assert_eq!(spill.sets.len(), 2);
+        alive.fill(256);
+        b.and_into_spilling(&spill, &mut alive);
+        assert_eq!(alive.iter().collect::<Vec<_>>(), vec![2, 101, 201]);
     }
 
     #[test]

@@ -108,9 +108,9 @@ fn filter_and_max_blocks<I: KvIndex>(index: I) {
     }
     let query = [40, 41, 42, 43, 44, 45];
     assert_eq!(depths(&index, &query, &MatchOptions::default()), vec![(4, 0, 5), (6, 0, 5), (5, 0, 3)]);
-    let only = MatchOptions { workers: Some(vec![5, 6]), max_blocks: None };
+    let only = MatchOptions { workers: Some(vec![5, 6]), ..Default::default() };
     assert_eq!(depths(&index, &query, &only), vec![(6, 0, 5), (5, 0, 3)]);
-    let short = MatchOptions { workers: None, max_blocks: Some(2) };
+    let short = MatchOptions { max_blocks: Some(2), ..Default::default() };
     assert_eq!(depths(&index, &query, &short), vec![(4, 0, 2), (5, 0, 2), (6, 0, 2)]);
 }
 

@@ -18,7 +18,7 @@ enum Op {
     Remove { worker: usize, hashes: Vec<u64> },
     Clear { worker: usize },
     RemoveWorker { worker: usize },
-    Lookup { query: Vec<u64>, only: Option<Vec<u64>>, max_blocks: Option<usize> },
+    Lookup { query: Vec<u64>, only: Option<Vec<u64>>, max_blocks: Option<usize>, max_matches: Option<usize> },
 }
 
 /// Worker identities: a few ids, two dp ranks each.
@@ -44,9 +44,10 @@ fn op_strategy_chains(workers: usize, hashes: u64, locals: u64, chain: usize) ->
         5 => (
             proptest::collection::vec(l, 1..10),
             proptest::option::weighted(0.2, proptest::collection::vec(0u64..4, 1..3)),
-            proptest::option::weighted(0.2, 0usize..8)
+            proptest::option::weighted(0.2, 0usize..8),
+            proptest::option::weighted(0.2, 0usize..4)
         )
-            .prop_map(|(query, only, max_blocks)| Op::Lookup { query, only, max_blocks }),
+            .prop_map(|(query, only, max_blocks, max_matches)| Op::Lookup { query, only, max_blocks, max_matches }),
     ]
 }
 
@@ -61,8 +62,8 @@ fn hole_strategy(workers: usize, hashes: u64, chain: usize) -> impl Strategy<Val
             .prop_map(|(worker, parent, blocks)| Op::Store { worker, parent, blocks }),
         5 => (w.clone(), h).prop_map(|(worker, x)| Op::Remove { worker, hashes: vec![x] }),
         1 => w.prop_map(|worker| Op::Clear { worker }),
-        4 => proptest::collection::vec(0u64..2, 1..chain.max(12))
-            .prop_map(|query| Op::Lookup { query, only: None, max_blocks: None }),
+        4 => (proptest::collection::vec(0u64..2, 1..chain.max(12)), proptest::option::weighted(0.2, 0usize..3))
+            .prop_map(|(query, max_matches)| Op::Lookup { query, only: None, max_blocks: None, max_matches }),
     ]
 }
 
@@ -104,11 +105,12 @@ impl<I: KvIndex> Driver<I> {
                 Some(w) => (Some(index.remove_worker(w)), None),
                 None => (None, None),
             },
-            Op::Lookup { query, only, max_blocks } => {
+            Op::Lookup { query, only, max_blocks, max_matches } => {
                 let q: Vec<LocalHash> = query.iter().map(|&l| LocalHash(l)).collect();
                 let opts = MatchOptions {
                     workers: only.as_ref().map(|o| o.iter().map(|x| x * spread).collect()),
                     max_blocks: *max_blocks,
+                    max_matches: *max_matches,
                 };
                 (None, Some(index.find_matches(&q, &opts)))
             }

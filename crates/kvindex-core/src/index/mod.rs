@@ -65,6 +65,9 @@ pub struct MatchOptions {
     pub workers: Option<Vec<u64>>,
     /// Only the first `max_blocks` blocks of the request are matched.
     pub max_blocks: Option<usize>,
+    /// At most this many matches, the deepest; `None` means all. A lookup that a thousand
+    /// workers match then costs a linear selection, not a sort of every match.
+    pub max_matches: Option<usize>,
 }
 
 /// One worker's answer: the length of the longest contiguous prefix of the request it holds.
@@ -187,8 +190,8 @@ pub(crate) fn candidate_slots(registry: &WorkerRegistry, opts: &MatchOptions, ou
     }
 }
 
-/// Turns `(slot, depth)` pairs into sorted worker matches.
-pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)]) -> Vec<WorkerMatch> {
+/// Turns `(slot, depth)` pairs into sorted worker matches, at most `limit` of them.
+pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)], limit: Option<usize>) -> Vec<WorkerMatch> {
     let mut out = Vec::with_capacity(depths.len());
     registry.with_ids(|ids| {
         for &(s, d) in depths {
@@ -197,8 +200,23 @@ pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)]) 
             }
         }
     });
-    out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+    order_matches(&mut out, limit);
     out
+}
+
+/// Orders matches deepest first (ties by worker id) and keeps the first `limit`: the best
+/// `limit` are selected in linear time first, and only they are sorted.
+pub(crate) fn order_matches(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
+    let order = |a: &WorkerMatch, b: &WorkerMatch| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker));
+    if let Some(k) = limit.filter(|&k| k < out.len()) {
+        if k == 0 {
+            out.clear();
+            return;
+        }
+        out.select_nth_unstable_by(k - 1, order);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(order);
 }
 
 /// Which backend to build; chosen by config or on the command line.

@@ -54,8 +54,8 @@ impl Default for PositionalConfig {
 #[derive(Default)]
 struct LevelData {
     table: LinearMap<WorkerSet>,
-    /// Members of entries whose set spans more than one inline window, by prefix.
-    spill: Spill<u64>,
+    /// Members of entries whose set spans more than one inline window.
+    spill: Spill,
 }
 
 /// Where a level's slots are, readable without the lock, so that an apply thread can
@@ -428,7 +428,7 @@ impl PositionalIndex {
         let Some((level, hint)) = cur.level(pos, true) else { return true };
         let LevelData { table, spill } = level;
         let (set, new) = table.upsert(prefix, WorkerSet::EMPTY);
-        let added = set.insert_spilling(slot, prefix, spill);
+        let added = set.insert_spilling(slot, spill);
         if new {
             hint.publish(level);
             cur.entries += 1;
@@ -441,7 +441,7 @@ impl PositionalIndex {
         let Some((level, hint)) = cur.level(pos, false) else { return };
         let LevelData { table, spill } = level;
         let emptied = table.update_or_remove(prefix, |set| {
-            set.remove_spilling(slot, prefix, spill);
+            set.remove_spilling(slot, spill);
             set.is_empty()
         });
         if emptied == Some(true) {
@@ -689,7 +689,7 @@ impl<'a> ReadCursor<'a> {
         let level = &levels[pos as usize % CHUNK];
         match level.table.get(prefix.0) {
             None => alive.clear(),
-            Some(set) => set.and_into_spilling(prefix.0, &level.spill, alive),
+            Some(set) => set.and_into_spilling(&level.spill, alive),
         }
     }
 
@@ -939,7 +939,7 @@ impl KvIndex for PositionalIndex {
             }
             drop(reader);
             depths.extend(alive.iter().map(|s| (s, n as u32)));
-            finish_matches(&self.registry, depths)
+            finish_matches(&self.registry, depths, opts.max_matches)
         })
     }
 

@@ -32,7 +32,8 @@ struct Tree {
     /// given back (see `trim`).
     free: BTreeSet<NodeId>,
     children: SeededMap<(NodeId, u64), NodeId>,
-    spill: Spill<NodeId>,
+    /// Members of node sets that span more than one inline window.
+    spill: Spill,
 }
 
 impl Tree {
@@ -141,7 +142,7 @@ impl RadixIndex {
             return;
         }
         let Tree { nodes, spill, .. } = tree;
-        nodes[node as usize].set.remove_spilling(w.slot, node, spill);
+        nodes[node as usize].set.remove_spilling(w.slot, spill);
     }
 }
 
@@ -210,7 +211,7 @@ impl KvIndex for RadixIndex {
                 None => {}
             }
             let Tree { nodes, spill, .. } = &mut *tree;
-            if !nodes[child as usize].set.insert_spilling(w.slot, child, spill) {
+            if !nodes[child as usize].set.insert_spilling(w.slot, spill) {
                 *w.aliases.entry(child).or_default() += 1;
             }
             w.blocks.insert(b.block_hash.0, child);
@@ -256,7 +257,7 @@ impl KvIndex for RadixIndex {
         w.aliases.clear();
         for (_, &node) in w.blocks.iter() {
             let Tree { nodes, spill, .. } = &mut *tree;
-            nodes[node as usize].set.remove_spilling(w.slot, node, spill);
+            nodes[node as usize].set.remove_spilling(w.slot, spill);
         }
         for (_, &node) in w.blocks.iter() {
             tree.prune(node);
@@ -291,7 +292,7 @@ impl KvIndex for RadixIndex {
                     break;
                 };
                 probe.copy_from(alive);
-                tree.nodes[child as usize].set.and_into_spilling(child, &tree.spill, probe);
+                tree.nodes[child as usize].set.and_into_spilling(&tree.spill, probe);
                 if i > 0 && probe != alive {
                     alive.and_not(probe);
                     depths.extend(alive.iter().map(|s| (s, i as u32)));
@@ -304,7 +305,7 @@ impl KvIndex for RadixIndex {
             }
             depths.extend(alive.iter().map(|s| (s, n as u32)));
             drop(tree);
-            finish_matches(&self.registry, depths)
+            finish_matches(&self.registry, depths, opts.max_matches)
         })
     }
 

@@ -136,6 +136,7 @@ impl KvIndex for ReferenceIndex {
             }
         }
         out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+        out.truncate(opts.max_matches.unwrap_or(usize::MAX));
         out
     }
 
