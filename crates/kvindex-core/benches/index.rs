@@ -1,8 +1,10 @@
 //! Criterion micro-benchmarks of the index's hot paths: store a chain, remove one, look up a
-//! prefix, for the positional and radix backends. `kvindex bench` measures whole replays;
+//! prefix, for the positional and radix backends, with 16 workers and with fleets of up to
+//! 4096 workers sharing a prefix. `kvindex bench` measures whole replays;
 //! kvindex-client's `decode` bench measures the wire decoder.
 
-use criterion::{black_box, criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::measurement::WallTime;
+use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
 use kvindex_core::{BlockHash, KvIndex, LocalHash, MatchOptions, PositionalIndex, RadixIndex, StoredBlock, WorkerId};
 use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
@@ -40,6 +42,43 @@ fn populated<I: KvIndex>(index: I, chains: &[Vec<StoredBlock>]) -> (I, Vec<I::Wr
     (index, writers)
 }
 
+/// `store_chain` and `remove_chain` of `fresh` by writer `w`, labelled `param`. Each store is
+/// undone (untimed) before the next, and each remove redone, so every iteration sees the same
+/// index.
+fn bench_writes<I: KvIndex>(
+    g: &mut BenchmarkGroup<'_, WallTime>,
+    param: u64,
+    index: &I,
+    w: &mut I::Writer,
+    fresh: &[StoredBlock],
+) {
+    let hashes: Vec<BlockHash> = fresh.iter().rev().map(|s| s.block_hash).collect();
+    g.bench_function(BenchmarkId::new("store_chain", param), |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                let t = Instant::now();
+                black_box(index.store(w, None, fresh));
+                spent += t.elapsed();
+                index.remove(w, &hashes);
+            }
+            spent
+        })
+    });
+    g.bench_function(BenchmarkId::new("remove_chain", param), |b| {
+        b.iter_custom(|iters| {
+            let mut spent = Duration::ZERO;
+            for _ in 0..iters {
+                index.store(w, None, fresh);
+                let t = Instant::now();
+                black_box(index.remove(w, &hashes));
+                spent += t.elapsed();
+            }
+            spent
+        })
+    });
+}
+
 fn bench_backend<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
     let name = make().name();
     let all = chains(257);
@@ -47,33 +86,7 @@ fn bench_backend<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
     let fresh = &all[256];
     let mut g = c.benchmark_group(name);
     g.throughput(Throughput::Elements(CHAIN as u64));
-    let hashes: Vec<BlockHash> = fresh.iter().rev().map(|s| s.block_hash).collect();
-    // Each store is undone (untimed) before the next, and each remove redone, so every
-    // iteration sees the same index.
-    g.bench_function(BenchmarkId::new("store_chain", CHAIN), |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                let t = Instant::now();
-                black_box(index.store(&mut writers[0], None, fresh));
-                spent += t.elapsed();
-                index.remove(&mut writers[0], &hashes);
-            }
-            spent
-        })
-    });
-    g.bench_function(BenchmarkId::new("remove_chain", CHAIN), |b| {
-        b.iter_custom(|iters| {
-            let mut spent = Duration::ZERO;
-            for _ in 0..iters {
-                index.store(&mut writers[0], None, fresh);
-                let t = Instant::now();
-                black_box(index.remove(&mut writers[0], &hashes));
-                spent += t.elapsed();
-            }
-            spent
-        })
-    });
+    bench_writes(&mut g, CHAIN as u64, &index, &mut writers[0], fresh);
     for (label, q) in [("lookup_shared_prefix", &all[1]), ("lookup_full_match", &all[0])] {
         let query: Vec<LocalHash> = q.iter().map(|s| s.tokens_hash).collect();
         g.bench_function(BenchmarkId::new(label, CHAIN), |b| b.iter(|| index.find_matches(&query, &MatchOptions::default())));
@@ -84,9 +97,39 @@ fn bench_backend<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
     g.finish();
 }
 
+/// Fleet sizes of the `*_workers` groups.
+const FLEETS: [u64; 4] = [16, 256, 1024, 4096];
+
+/// Many workers sharing a prefix: worker `w` holds chain `w`, so every worker holds the
+/// shared first half (worker sets of the whole fleet) and a tail of its own. The parameter is
+/// the number of workers: a new worker stores and removes a chain, and a lookup that every
+/// worker matches halfway answers the daemon's default 64 best.
+fn bench_workers<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
+    let mut g = c.benchmark_group(format!("{}_workers", make().name()));
+    let all = chains(FLEETS[FLEETS.len() - 1] + 1);
+    let fresh = &all[all.len() - 1];
+    let query: Vec<LocalHash> = all[1].iter().map(|s| s.tokens_hash).collect();
+    let daemon = MatchOptions { max_matches: Some(64), ..Default::default() };
+    for &n in &FLEETS {
+        let index = make();
+        for (w, chain) in all.iter().take(n as usize).enumerate() {
+            let mut wr = index.writer(WorkerId::new(w as u64, 0)).unwrap();
+            index.store(&mut wr, None, chain);
+        }
+        let mut newcomer = index.writer(WorkerId::new(n, 0)).unwrap();
+        g.throughput(Throughput::Elements(CHAIN as u64));
+        bench_writes(&mut g, n, &index, &mut newcomer, fresh);
+        g.throughput(Throughput::Elements(1));
+        g.bench_function(BenchmarkId::new("lookup_top64", n), |b| b.iter(|| index.find_matches(&query, &daemon)));
+    }
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
     bench_backend(c, PositionalIndex::default);
     bench_backend(c, || RadixIndex::new(1 << 16, 1 << 16));
+    bench_workers(c, PositionalIndex::default);
+    bench_workers(c, || RadixIndex::new(1 << 16, 1 << 16));
 }
 
 criterion_group! {

@@ -14,7 +14,7 @@ pub struct WorkerRegistry {
     capacity: u32,
     inner: Mutex<RegistryInner>,
     ids: RwLock<Vec<Option<WorkerId>>>,
-    /// Slots whose cache is not prefix-closed (see the positional index).
+    /// Slots that lookups must check position by position (a tangled positional writer).
     holey: Box<[AtomicU64]>,
 }
 
