@@ -245,6 +245,9 @@ async fn metrics_health_and_shutdown() {
     let c = async_nats::connect(nats.url()).await.unwrap();
     publish(&c, 9, &batch(9, 1, vec![stored(0, None, &chain(90, &[1, 2, 3]))])).await;
     expect_matches(&c, &by_hashes(&[1, 2, 3]), vec![entry(9, 3, false)]).await;
+    // A hole: the middle block evicted, its child kept but out of every match.
+    publish(&c, 9, &batch(9, 1, vec![KvEvent { event_id: 1, data: Event::removed(&[91]) }])).await;
+    expect_matches(&c, &by_hashes(&[1, 2, 3]), vec![entry(9, 1, false)]).await;
 
     assert_eq!(d.http_get("/healthz").await.map(|r| r.0), Some(200));
     assert_eq!(d.http_get("/readyz").await.map(|r| r.0), Some(200));
@@ -253,10 +256,12 @@ async fn metrics_health_and_shutdown() {
         "kvindex_event_lag_seconds_bucket",
         "kvindex_events_applied_total{kind=\"stored\"} 1",
         "kvindex_blocks_applied_total{kind=\"stored\"} 3",
+        "kvindex_blocks_applied_total{kind=\"removed\"} 1",
         "kvindex_lookups_total{result=\"ok\"}",
         "kvindex_lookup_duration_seconds_bucket",
         "kvindex_apply_queue_depth{thread=\"0\"}",
-        "kvindex_index_blocks 3",
+        "kvindex_index_blocks 2",
+        "kvindex_index_hidden_blocks 1",
         "kvindex_index_workers 1",
         "kvindex_nats_connected 1",
         "kvindex_resync_requests_total{scope=\"all\"} 1",

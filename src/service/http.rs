@@ -11,6 +11,7 @@ fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> St
     let stats = index.stats();
     m.index_placements.set(stats.placements as i64);
     m.index_entries.set(stats.entries as i64);
+    m.index_hidden.set(stats.hidden as i64);
     m.index_workers.set(stats.workers as i64);
     if let Some(others) = pool.others() {
         for (tier, index) in others.each() {
