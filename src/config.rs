@@ -13,7 +13,7 @@ use std::path::Path;
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Config {
-    /// NATS server(s), comma-separated.
+    /// NATS server(s), comma-separated (every member of a NATS cluster).
     pub nats_url: String,
     /// Subject prefix: one per model or deployment.
     pub prefix: String,
@@ -241,8 +241,27 @@ impl Config {
         }
     }
 
+    /// The servers of `nats_url`, comma-separated (the members of a NATS cluster, say): the
+    /// client connects to any of them and moves to another when it loses its own.
+    pub fn nats_servers(&self) -> Result<Vec<async_nats::ServerAddr>, String> {
+        let servers = self
+            .nats_url
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| format!("{s:?}: {e}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        if servers.is_empty() {
+            return Err("no server given".into());
+        }
+        Ok(servers)
+    }
+
     fn validate(&self) -> Result<(), String> {
         let bad = |key: &str, why: &str| Err(format!("configuration: {key}: {why}"));
+        if let Err(why) = self.nats_servers() {
+            return bad("nats_url", &why);
+        }
         if self.prefix.is_empty() || self.prefix.contains(['*', '>', ' ']) || self.prefix.ends_with('.') {
             return bad("prefix", "must be a non-empty NATS subject without wildcards, spaces or a trailing dot");
         }
@@ -289,6 +308,17 @@ impl Config {
 mod tests {
     use super::*;
     use figment::Jail;
+
+    #[test]
+    fn nats_url_lists_the_servers_of_a_cluster() {
+        let with = |url: &str| Config { nats_url: url.into(), ..Config::default() };
+        let servers = with("nats://10.0.0.1:4222, nats://10.0.0.2:4222,nats://10.0.0.3:4223").nats_servers().unwrap();
+        let ports: Vec<u16> = servers.iter().map(|s| s.port()).collect();
+        assert_eq!(ports, vec![4222, 4222, 4223]);
+        assert_eq!(servers[1].host(), "10.0.0.2");
+        assert!(with(" , ").validate().unwrap_err().contains("nats_url"));
+        assert!(with("nats://a:4222,nats://b:notaport").validate().unwrap_err().contains("notaport"));
+    }
 
     #[test]
     fn layers_apply_in_order() {

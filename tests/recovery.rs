@@ -20,8 +20,11 @@ const FAST: &[(&str, &str)] = &[("RESYNC_INTERVAL", "1"), ("RESYNC_MAX_INTERVAL"
 /// How long a fleet may take to converge after a fault.
 const CONVERGE_S: u64 = 20;
 
+/// A connection to `url`, which may list several servers (comma-separated), as engines and
+/// routers would have.
 async fn connect(url: &str) -> Client {
-    ConnectOptions::new().retry_on_initial_connect().max_reconnects(None).connect(url).await.expect("connects to NATS")
+    let servers: Vec<&str> = url.split(',').collect();
+    ConnectOptions::new().retry_on_initial_connect().max_reconnects(None).connect(servers).await.expect("connects to NATS")
 }
 
 /// Model engines, each with its publisher on its own connection, as separate engine
@@ -138,6 +141,61 @@ async fn nats_restarted_while_publishers_keep_working() {
     let _nats = NatsServer::start_on(port);
     fleet.run(10, Duration::from_millis(2)).await;
     converge(&router, &fleet, &mut d, "NATS restart").await;
+    assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
+}
+
+/// A member of a two-node NATS cluster: clients on `port`, routes on `cluster`, peer at `peer`.
+fn cluster_node(port: u16, cluster: u16, peer: u16) -> support::NatsProcess {
+    let (listen, route) = (format!("nats://127.0.0.1:{cluster}"), format!("nats://127.0.0.1:{peer}"));
+    let args = ["--cluster_name", "kvindex", "--cluster", &listen, "--routes", &route];
+    support::NatsProcess::start_with(port, &args, &[]).expect("cluster node starts")
+}
+
+/// Waits until a message published on one node reaches a subscriber on the other.
+async fn routed(a: u16, b: u16) {
+    let (sub_side, pub_side) = (connect(&format!("nats://127.0.0.1:{a}")).await, connect(&format!("nats://127.0.0.1:{b}")).await);
+    let mut probe = sub_side.subscribe("probe").await.unwrap();
+    sub_side.flush().await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        pub_side.publish("probe", "x".into()).await.unwrap();
+        pub_side.flush().await.unwrap();
+        if tokio::time::timeout(Duration::from_millis(200), probe.next()).await.is_ok() {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the NATS cluster did not form");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_node_of_a_nats_cluster_dies_in_turn_under_daemon_publishers_and_router() {
+    let mut ports = Vec::new();
+    while ports.len() < 4 {
+        let p = support::free_port();
+        if !ports.contains(&p) {
+            ports.push(p);
+        }
+    }
+    let (pa, pb, ca, cb) = (ports[0], ports[1], ports[2], ports[3]);
+    let mut nodes = [Some(cluster_node(pa, ca, cb)), Some(cluster_node(pb, cb, ca))];
+    routed(pa, pb).await;
+    let url = format!("nats://127.0.0.1:{pa},nats://127.0.0.1:{pb}");
+    let mut d = DaemonProcess::start(&url, &[], FAST);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&url, "t", 4, 5).await;
+    let router = connect(&url).await;
+    fleet.run(100, Duration::from_millis(2)).await;
+    converge(&router, &fleet, &mut d, "two-node cluster").await;
+
+    // Whichever node each client picked, one of the two deaths takes it away.
+    for (victim, (port, cluster, peer)) in [(pa, ca, cb), (pb, cb, ca)].into_iter().enumerate() {
+        nodes[victim] = None;
+        fleet.run(30, Duration::from_millis(10)).await;
+        converge(&router, &fleet, &mut d, &format!("cluster node {victim} killed")).await;
+        nodes[victim] = Some(cluster_node(port, cluster, peer));
+        let other = if victim == 0 { pb } else { pa };
+        routed(port, other).await;
+    }
     assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
 }
 

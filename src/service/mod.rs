@@ -226,13 +226,15 @@ async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::
             let _ = events.send(e);
         }
     });
-    opts.connect(cfg.nats_url.as_str()).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
+    let servers = cfg.nats_servers().map_err(anyhow::Error::msg)?;
+    opts.connect(servers).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
 }
 
 /// A NATS connection with `cfg`'s servers, credentials and TLS, named `name` (the bridge's).
 pub async fn connect_nats(cfg: &Config, name: &str) -> anyhow::Result<Client> {
     let opts = nats_options(cfg, name).await?;
-    opts.connect(cfg.nats_url.as_str()).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
+    let servers = cfg.nats_servers().map_err(anyhow::Error::msg)?;
+    opts.connect(servers).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
 }
 
 /// Serves with indexes made by `make`: the device index, and one for each other tier.
