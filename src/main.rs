@@ -8,8 +8,8 @@ use kvindex::config::{Config, Overrides};
 use kvindex_core::index::Backend;
 use std::path::PathBuf;
 use tools::bench::{self, BenchConfig, Mode, Workload};
-use tools::stream;
 use tools::trace::{self, MockConfig, MockEngine};
+use tools::{shards, stream};
 
 #[global_allocator]
 static ALLOC: tools::alloc::CountingAlloc = tools::alloc::CountingAlloc;
@@ -39,6 +39,8 @@ enum Command {
     E2e(E2eArgs),
     /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
     Gen(GenArgs),
+    /// Simulate a partitioned index on traces: shard balance and the prefix reuse it keeps.
+    Shards(ShardsArgs),
     /// Measure the bridge: a fake engine's ZMQ batches to applied in kvindex, blocks per second.
     BridgeBench(BridgeBenchArgs),
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
@@ -294,6 +296,22 @@ struct E2eArgs {
 }
 
 #[derive(Args)]
+struct ShardsArgs {
+    /// Mooncake traces (JSONL) to simulate, each on its own.
+    #[arg(long, value_delimiter = ',', default_value = "data/traces/conversation_trace.jsonl,data/traces/synthetic_trace.jsonl")]
+    traces: Vec<PathBuf>,
+    /// Numbers of shards.
+    #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
+    shards: Vec<usize>,
+    /// Blocks of a request's prefix that choose its shard.
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
+    key_blocks: Vec<usize>,
+    /// Print JSON instead of tables.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct GenArgs {
     #[command(flatten)]
     source: Source,
@@ -335,6 +353,7 @@ fn main() -> Result<()> {
         Command::E2e(a) => e2e_cmd(a),
         Command::Demo(a) => demo_cmd(a),
         Command::Gen(a) => gen_cmd(a),
+        Command::Shards(a) => shards_cmd(a),
         Command::Health(a) => health_cmd(a),
         Command::Bridge(a) => bridge_cmd(a),
         Command::BridgeBench(a) => {
@@ -524,6 +543,27 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", bench::table(&rows));
+    }
+    Ok(())
+}
+
+fn shards_cmd(a: ShardsArgs) -> Result<()> {
+    let mut all = Vec::new();
+    for path in &a.traces {
+        let trace = trace::read_trace_file(path)?;
+        let points: Vec<_> = a
+            .shards
+            .iter()
+            .flat_map(|&s| a.key_blocks.iter().map(move |&k| (s, k)))
+            .map(|(s, k)| shards::simulate(&trace, s, k))
+            .collect();
+        if !a.json {
+            println!("{}", shards::table(&format!("{} ({} requests)", path.display(), trace.len()), &points));
+        }
+        all.push(serde_json::json!({ "trace": path.display().to_string(), "points": points }));
+    }
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
     }
     Ok(())
 }

@@ -12,6 +12,7 @@
 //! - [`demo`]: `kvindex demo`: a closed loop of router, mock engines and kvindex, showing the
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
+//! - [`shards`]: `kvindex shards`: a partitioned index simulated on traces (docs/SCALING.md).
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 
 pub mod alloc;
@@ -21,5 +22,6 @@ pub mod demo;
 pub mod e2e;
 pub mod flood;
 pub mod harness;
+pub mod shards;
 pub mod stream;
 pub mod trace;
