@@ -182,3 +182,55 @@ fn filling_a_hole_shows_the_subtree_again<I: KvIndex>(index: I) {
     assert_eq!(depths(&index, &locals, &all), vec![(4, 0, 30)]);
     assert_eq!(depths(&index, &branch, &all), vec![(4, 0, 26)]);
 }
+
+// A hole over a family too big to hide block by block (5,000 children of one block) makes
+// the positional index check that worker position by position instead: still exact.
+for_each_backend!(a_hole_over_a_huge_family_stays_exact);
+fn a_hole_over_a_huge_family_stays_exact<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(5, 0)).unwrap();
+    let all = MatchOptions::default();
+    index.store(&mut w, None, &chain([1, 2], [10, 20]));
+    for i in 0..5000u64 {
+        index.store(&mut w, Some(BlockHash(2)), &chain([100 + i], [1000 + i]));
+    }
+    index.remove(&mut w, &[BlockHash(2)]);
+    assert_eq!(depths(&index, &[10, 20, 1007], &all), vec![(5, 0, 1)]);
+    index.store(&mut w, Some(BlockHash(1)), &chain([2], [20]));
+    assert_eq!(depths(&index, &[10, 20, 1007], &all), vec![(5, 0, 3)]);
+    index.remove(&mut w, &[BlockHash(1)]);
+    assert_eq!(depths(&index, &[10, 20, 1007], &all), vec![]);
+    index.store(&mut w, None, &chain([1], [10]));
+    assert_eq!(depths(&index, &[10, 20, 4999 + 1000], &all), vec![(5, 0, 3)]);
+}
+
+// The same for a deep family: 700 chains of 6 blocks under one block (all within a jump
+// window of 8), hidden by a hole above it (too many to hide), and again with the family grown
+// while hidden (too many to show again).
+for_each_backend!(a_hole_over_a_huge_subtree_stays_exact);
+fn a_hole_over_a_huge_subtree_stays_exact<I: KvIndex>(index: I) {
+    let all = MatchOptions::default();
+    let branch = |j: u64| -> Vec<StoredBlock> { chain((0..6).map(|i| 10_000 * (j + 1) + i), (0..6).map(|i| 100 * j + i)) };
+    let query = |j: u64| -> Vec<u64> { [10, 20, 30].into_iter().chain((0..6).map(|i| 100 * j + i)).collect() };
+    let mut w = index.writer(WorkerId::new(6, 0)).unwrap();
+    for grow_while_hidden in [false, true] {
+        index.clear(&mut w);
+        index.store(&mut w, None, &chain([1, 2, 3], [10, 20, 30]));
+        let before = if grow_while_hidden { 500 } else { 700 };
+        for j in 0..before {
+            index.store(&mut w, Some(BlockHash(3)), &branch(j));
+        }
+        index.remove(&mut w, &[BlockHash(2)]);
+        for j in before..700 {
+            index.store(&mut w, Some(BlockHash(3)), &branch(j));
+        }
+        for j in [0, 350, 699] {
+            assert_eq!(depths(&index, &query(j), &all), vec![(6, 0, 1)]);
+        }
+        index.store(&mut w, Some(BlockHash(1)), &chain([2], [20]));
+        for j in [0, 350, 699] {
+            assert_eq!(depths(&index, &query(j), &all), vec![(6, 0, 9)]);
+        }
+        index.remove(&mut w, &[BlockHash(10_000 * 351 + 3)]);
+        assert_eq!(depths(&index, &query(350), &all), vec![(6, 0, 6)]);
+    }
+}

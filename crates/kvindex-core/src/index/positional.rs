@@ -159,6 +159,10 @@ const SIB_MASK: u32 = HAS_MORE - 1;
 /// Most siblings looked at to tell whether a hidden block's place is held twice; a worker
 /// with a bigger family there is treated as if it were.
 const MAX_SIBLING_SCAN: usize = 64;
+/// Most blocks one hole may hide or show (the reference trace needs under 200, with every
+/// block in one worker): a publisher that builds a bigger subtree in one jump window gets its
+/// worker tangled instead, so a one-block event never costs more than this.
+const MAX_WALK: usize = 4096;
 
 /// A held block in a worker's reverse map (40 bytes with its key, the engine hash).
 #[derive(Clone, Copy, Debug, Default)]
@@ -569,9 +573,13 @@ impl PositionalIndex {
         if rec.meta & HAS_MORE != 0 {
             w.more_children.remove(&hash);
         }
+        if kids.len() > MAX_WALK {
+            w.stack = kids;
+            self.tangle(cur, w);
+            return;
+        }
         let fits = PositionalWriter::push_all(&mut w.waiting, &mut w.blocks, rec.place(), &kids, Some(rec.prefix));
-        self.hide(cur, w, kids);
-        if !fits {
+        if !self.hide(cur, w, kids) || !fits {
             self.tangle(cur, w);
         }
     }
@@ -584,9 +592,16 @@ impl PositionalIndex {
     }
 
     /// Hides the blocks in `stack` (new orphans) and their descendants in the same jump window
-    /// from lookups.
-    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) {
+    /// from lookups; false if that is more than `MAX_WALK` blocks (the caller tangles).
+    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) -> bool {
+        let mut walked = 0;
         while let Some(h) = stack.pop() {
+            walked += 1;
+            if walked > MAX_WALK {
+                stack.clear();
+                w.stack = stack;
+                return false;
+            }
             let Some(r) = w.blocks.get_mut(h) else { continue };
             if r.hidden() {
                 continue;
@@ -601,14 +616,22 @@ impl PositionalIndex {
             }
         }
         w.stack = stack;
+        true
     }
 
     /// Shows the blocks in `stack` (orphans just adopted under a visible parent) and their
-    /// descendants in the same jump window; false if a place turned out to be held twice (the
-    /// caller then tangles the worker).
+    /// descendants in the same jump window; false if a place turned out to be held twice, or
+    /// the walk passed `MAX_WALK` (the caller then tangles the worker).
     fn reveal(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) -> bool {
         let mut clean = true;
+        let mut walked = 0;
         while let Some(h) = stack.pop() {
+            walked += 1;
+            if walked > MAX_WALK {
+                stack.clear();
+                clean = false;
+                break;
+            }
             let Some(r) = w.blocks.get_mut(h) else { continue };
             if !r.hidden() || r.meta & ORPHAN != 0 {
                 continue;
@@ -629,8 +652,9 @@ impl PositionalIndex {
         clean
     }
 
-    /// The worker holds a place twice (or its links overflowed): every hidden block is shown
-    /// and the worker is checked position by position from now on, until it is cleared.
+    /// The worker holds a place twice, or a hole's subtree is too big to walk (or its links
+    /// overflowed): every hidden block is shown and the worker is checked position by position
+    /// from now on, until it is cleared.
     fn tangle(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter) {
         w.tangled = true;
         if w.hidden > 0 {
