@@ -8,6 +8,16 @@ use kvindex_core::index::Backend;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// Where the daemon reads events from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Ingest {
+    /// A core NATS subscription (the default): nothing is kept.
+    Core,
+    /// An ordered consumer of a JetStream stream that keeps the events.
+    Jetstream,
+}
+
 /// Everything `kvindex serve` can be told. Every field has a default; `config/kvindex.toml`
 /// lists them all with comments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -31,6 +41,20 @@ pub struct Config {
     pub subscription_capacity: usize,
     /// Seconds without a batch (events or heartbeat) after which a worker is dropped (0: never).
     pub worker_ttl: u64,
+    /// Where events are read from: `core` (a NATS subscription; a restarted daemon rebuilds
+    /// from the publishers' snapshots) or `jetstream` (a stream that keeps them: a restarted
+    /// daemon replays it and is whole without any publisher's help).
+    pub ingest: Ingest,
+    /// JetStream mode: the stream over `{prefix}.events.>` (created if missing; empty: the
+    /// prefix upper-cased with `_EVENTS`).
+    pub stream: String,
+    /// JetStream mode: seconds an event is kept, and bytes the stream keeps at most. A
+    /// restart replays what is kept; a worker whose earlier events aged out is resynced from
+    /// its publisher as in core mode.
+    pub stream_max_age: u64,
+    pub stream_max_bytes: i64,
+    /// JetStream mode: copies of the stream (1, or 3 in a NATS cluster).
+    pub stream_replicas: usize,
     /// Index backend.
     pub backend: Backend,
     /// Jump of the positional index's search.
@@ -140,6 +164,11 @@ impl Default for Config {
             queue_capacity: 1024,
             subscription_capacity: 65536,
             worker_ttl: 30,
+            ingest: Ingest::Core,
+            stream: String::new(),
+            stream_max_age: 3600,
+            stream_max_bytes: 1 << 30,
+            stream_replicas: 1,
             backend: Backend::Positional,
             jump: index.jump,
             max_depth: index.max_depth,
@@ -280,10 +309,27 @@ impl Config {
         if self.resync_interval == 0 || self.resync_max_interval < self.resync_interval {
             return bad("resync_interval", "must be at least 1 and at most resync_max_interval");
         }
+        if self.ingest == Ingest::Jetstream {
+            let name = self.stream_name();
+            if name.is_empty() || name.contains(['.', '*', '>', ' ', '/', '\\']) {
+                return bad("stream", "a JetStream stream name: no dots, wildcards, spaces or slashes");
+            }
+            if self.stream_max_age == 0 || self.stream_max_bytes <= 0 || !(1..=5).contains(&self.stream_replicas) {
+                return bad("stream_max_age", "stream_max_age and stream_max_bytes above 0, stream_replicas 1 to 5");
+            }
+        }
         if self.nats_tls_cert.is_some() != self.nats_tls_key.is_some() {
             return bad("nats_tls_cert", "nats_tls_cert and nats_tls_key go together");
         }
         Ok(())
+    }
+
+    /// The JetStream stream's name: `stream`, or derived from the prefix (`kv` -> `KV_EVENTS`).
+    pub fn stream_name(&self) -> String {
+        if !self.stream.is_empty() {
+            return self.stream.clone();
+        }
+        format!("{}_EVENTS", self.prefix.to_uppercase().replace(['.', '-', '*', '>', ' '], "_"))
     }
 
     /// Apply threads to start.

@@ -144,6 +144,43 @@ async fn nats_restarted_while_publishers_keep_working() {
     assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone() {
+    let store = std::env::temp_dir().join(format!("kvindex-js-{}-{}", std::process::id(), support::free_port()));
+    let js_args = ["-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
+    let nats = support::NatsProcess::start_with(support::free_port(), &js_args, &[]).expect("nats-server with JetStream");
+    let url = nats.url();
+    // No settle time: with no publisher to wait for, only the replay may hold readiness back.
+    let durable = [("RESYNC_INTERVAL", "1"), ("READY_SETTLE_MS", "0"), ("INGEST", "jetstream")];
+    let mut d = DaemonProcess::start(&url, &[], &durable);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&url, "t", 4, 6).await;
+    let router = connect(&url).await;
+    fleet.run(4000, Duration::from_micros(100)).await;
+    converge(&router, &fleet, &mut d, "durable, baseline").await;
+
+    // Every publisher goes, then the daemon: nobody is left to answer a resync.
+    let engines = fleet.engines.clone();
+    for p in fleet.publishers.iter_mut() {
+        if let Some(p) = p.take() {
+            p.close().await;
+        }
+    }
+    d.kill9();
+    d.restart();
+    let ready = d.wait_ready(15).await;
+    // Ready means replayed and applied: every block is in at once.
+    let held: usize = engines.iter().map(|e| e.len()).sum();
+    assert_eq!(d.metric("kvindex_index_blocks").await, held as f64, "ready before the replay was applied");
+    eprintln!("durable restart: ready {} ms after the process started", ready.as_millis());
+    let diff = first_difference(&router, "t.lookup", &engines, &all_queries(5)).await;
+    assert!(diff.is_none(), "ready but not whole from the stream: {diff:?}\nlog:\n{}", d.log_text());
+    assert_eq!(d.metric("kvindex_snapshots_total{result=\"complete\"}").await, 0.0, "no publisher was there to help");
+    assert_eq!(d.metric("kvindex_stream_pending").await, 0.0);
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
+}
+
 /// A member of a two-node NATS cluster: clients on `port`, routes on `cluster`, peer at `peer`.
 fn cluster_node(port: u16, cluster: u16, peer: u16) -> support::NatsProcess {
     let (listen, route) = (format!("nats://127.0.0.1:{cluster}"), format!("nats://127.0.0.1:{peer}"));

@@ -14,7 +14,7 @@ mod lookup;
 mod recovery;
 
 use crate::apply::{ApplyPool, OnApplied};
-use crate::config::Config;
+use crate::config::{Config, Ingest};
 use crate::metrics::Metrics;
 use anyhow::Context;
 use async_nats::{Client, ConnectOptions, Event};
@@ -74,6 +74,11 @@ struct State {
     ready: tokio::sync::watch::Sender<bool>,
     /// In the lookup queue group, the server acknowledging the subscriptions.
     member: AtomicBool,
+    /// Every event the JetStream stream held at the start is applied (always true in core
+    /// mode): until then the replica is not ready.
+    replayed: AtomicBool,
+    /// The stream's tail was reached and the apply threads are being flushed toward `replayed`.
+    replay_flushing: AtomicBool,
     /// Bumped whenever a worker is marked stale, so that a stale flag cleared after its
     /// snapshot is applied is not one set again meanwhile.
     stale_generation: AtomicU64,
@@ -237,6 +242,84 @@ pub async fn connect_nats(cfg: &Config, name: &str) -> anyhow::Result<Client> {
     opts.connect(servers).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
 }
 
+/// An events message, whatever it came from.
+struct Incoming {
+    subject: async_nats::Subject,
+    payload: bytes::Bytes,
+    /// JetStream: messages of the stream not yet delivered to this replica.
+    pending: Option<u64>,
+}
+
+/// Where events come from: a core subscription, or an ordered consumer of the JetStream
+/// stream (created if missing) from its first kept message.
+async fn event_source(
+    client: &Client,
+    state: &Arc<State>,
+) -> anyhow::Result<std::pin::Pin<Box<dyn futures::Stream<Item = Incoming> + Send>>> {
+    let cfg = &state.cfg;
+    if cfg.ingest == Ingest::Core {
+        let sub = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
+        return Ok(Box::pin(sub.map(|m| Incoming { subject: m.subject, payload: m.payload, pending: None })));
+    }
+    use async_nats::jetstream::{self, consumer, stream};
+    let js = jetstream::new(client.clone());
+    let name = cfg.stream_name();
+    let mut kept = js
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![format!("{}>", state.events_prefix)],
+            max_age: Duration::from_secs(cfg.stream_max_age),
+            max_bytes: cfg.stream_max_bytes,
+            storage: stream::StorageType::File,
+            num_replicas: cfg.stream_replicas,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("creating or binding the JetStream stream {name}: {e}"))?;
+    let held = kept.info().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?.state.messages;
+    let ordered = kept
+        .create_consumer(consumer::pull::OrderedConfig { deliver_policy: consumer::DeliverPolicy::All, ..Default::default() })
+        .await
+        .map_err(|e| anyhow::anyhow!("creating a consumer of stream {name}: {e}"))?;
+    let messages = ordered.messages().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?;
+    tracing::info!(stream = %name, messages = held, "reading events from JetStream; replaying what the stream keeps");
+    state.metrics.stream_pending.set(held as i64);
+    if held == 0 {
+        state.replayed.store(true, Ordering::Relaxed);
+    }
+    let state = state.clone();
+    Ok(Box::pin(messages.filter_map(move |m| {
+        let state = state.clone();
+        async move {
+            match m {
+                Ok(m) => {
+                    let pending = m.info().map(|i| i.pending).unwrap_or(0);
+                    Some(Incoming { subject: m.message.subject, payload: m.message.payload, pending: Some(pending) })
+                }
+                Err(e) => {
+                    state.log.warn("stream_error", || format!("reading the JetStream stream: {e}"));
+                    None
+                }
+            }
+        }
+    })))
+}
+
+/// JetStream: the replay is done once the stream has nothing more pending for this replica
+/// and what was handed to the apply threads is applied.
+fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pending: u64) {
+    state.metrics.stream_pending.set(pending as i64);
+    if pending > 0 || state.replay_flushing.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let (state, pool) = (state.clone(), pool.clone());
+    tokio::spawn(async move {
+        let _ = tokio::task::spawn_blocking(move || pool.flush()).await;
+        state.replayed.store(true, Ordering::Relaxed);
+        tracing::info!("replayed the JetStream stream");
+    });
+}
+
 /// Serves with indexes made by `make`: the device index, and one for each other tier.
 async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
@@ -255,6 +338,8 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         ready: tokio::sync::watch::Sender::new(false),
         stale_generation: AtomicU64::new(0),
         member: AtomicBool::new(false),
+        replayed: AtomicBool::new(cfg.ingest == Ingest::Core),
+        replay_flushing: AtomicBool::new(false),
         events_prefix: events_prefix(&cfg),
         cfg: cfg.clone(),
     });
@@ -304,7 +389,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         let (lookup_events, _ignored) = mpsc::unbounded_channel();
         lookup_rt.handle().spawn(async move { connect(&cfg, lookup_events).await }).await??
     };
-    let mut events = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
+    let mut events = event_source(&client, &state).await?;
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
@@ -347,7 +432,12 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         tokio::select! {
             _ = &mut shutdown => break,
             msg = events.next() => match msg {
-                Some(msg) => ingest::ingest(&state, &pool, msg.subject.as_str(), &msg.payload),
+                Some(msg) => {
+                    ingest::ingest(&state, &pool, msg.subject.as_str(), &msg.payload);
+                    if let Some(pending) = msg.pending {
+                        replay_progress(&state, &pool, pending);
+                    }
+                }
                 None => break,
             },
             _ = watchdog.tick() => {
@@ -364,8 +454,8 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
 
     tracing::info!(grace_s = cfg.shutdown_grace, "shutting down: applying queued events, answering lookups in flight");
     let _ = stop_lookups.send(true);
+    drop(events);
     let drain = async {
-        let _ = events.unsubscribe().await;
         let _ = membership.await;
         let flushing = pool.clone();
         let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;

@@ -92,7 +92,7 @@ impl State {
                 }
             }
         }
-        let ready = connected && r.ready;
+        let ready = connected && r.ready && self.replayed.load(Ordering::Relaxed);
         self.ready.send_if_modified(|now| std::mem::replace(now, ready) != ready);
         self.metrics.ready.set(ready as i64);
     }
