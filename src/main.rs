@@ -290,6 +290,9 @@ struct E2eArgs {
     /// Apply threads of the daemon.
     #[arg(long, default_value_t = 1)]
     apply_threads: usize,
+    /// Durable mode: events through a JetStream stream; the restart rebuilds from it alone.
+    #[arg(long)]
+    jetstream: bool,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -382,6 +385,7 @@ fn e2e_cmd(a: E2eArgs) -> Result<()> {
             rate,
             lookup_rate: a.lookup_rate,
             apply_threads: a.apply_threads,
+            jetstream: a.jetstream,
             progress: !a.json,
         };
         rows.push(rt.block_on(tools::e2e::run(&wl, &cfg))?);

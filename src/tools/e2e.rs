@@ -8,7 +8,7 @@ use crate::tools::harness::{buckets, free_port, http_body, nats_or_own, quantile
 use crate::tools::stream::Op;
 use anyhow::{bail, Context, Result};
 use hdrhistogram::Histogram;
-use kvindex::config::Config;
+use kvindex::config::{Config, Ingest};
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::{LookupClient, Query};
 use kvindex_core::hash::WorkerId;
@@ -30,6 +30,9 @@ pub struct E2eConfig {
     pub lookup_rate: f64,
     /// Apply threads of the daemon.
     pub apply_threads: usize,
+    /// Durable mode: the daemon reads a JetStream stream (an own server starts with JetStream
+    /// on), and the restarted daemon must rebuild from the stream with the publishers gone.
+    pub jetstream: bool,
     pub progress: bool,
 }
 
@@ -54,7 +57,8 @@ pub struct E2eReport {
     pub idle_rtt_p99_us: f64,
     pub lookup_errors: u64,
     /// After the replay, a fresh daemon replaced the first: time until it was ready again,
-    /// rebuilt from the publishers' snapshots, and the blocks it then held.
+    /// rebuilt from the publishers' snapshots (durable mode: from the stream, the publishers
+    /// closed), and the blocks it then held.
     pub rebuild_ms: f64,
     pub rebuilt_blocks: u64,
     /// Blocks the engines held at the end (some unreachable: evicted parents).
@@ -72,7 +76,16 @@ fn bucket_quantile(text: &str, series: &str, q: f64) -> f64 {
 
 /// Runs the whole system once and reports.
 pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
-    let (_nats, url) = nats_or_own(cfg.nats_url.as_deref())?;
+    let store = std::env::temp_dir().join(format!("kvindex-e2e-js-{}", std::process::id()));
+    let (_nats, url) = match (&cfg.nats_url, cfg.jetstream) {
+        (None, true) => {
+            let dir = store.to_str().context("temp dir is not UTF-8")?;
+            let server = super::harness::NatsProcess::start_with(free_port()?, &["-js", "-sd", dir], &[])?;
+            let url = server.url();
+            (Some(server), url)
+        }
+        _ => nats_or_own(cfg.nats_url.as_deref())?,
+    };
     let prefix = format!("e2e{}", std::process::id());
     let daemon_cfg = || -> Result<Config> {
         Ok(Config {
@@ -81,6 +94,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
             metrics_addr: format!("127.0.0.1:{}", free_port()?),
             apply_threads: cfg.apply_threads,
             worker_ttl: 0,
+            ingest: if cfg.jetstream { Ingest::Jetstream } else { Ingest::Core },
             ..Config::default()
         })
     };
@@ -215,13 +229,23 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     router_rt.shutdown_background();
     daemon.stop().await?;
 
-    // A new, empty daemon: how long until it has rebuilt the index from the publishers?
+    // A new, empty daemon: how long until it has rebuilt the index from the publishers (in
+    // durable mode: from the stream alone)?
+    let engine_blocks = publishers.values().map(|p| p.len() as u64).sum();
+    if cfg.jetstream {
+        for (_, p) in publishers.drain() {
+            p.close().await;
+        }
+    }
     let restarted = Instant::now();
     let daemon = Daemon::start(daemon_cfg()?).await?;
     let rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
     let rebuilt = http_body(&daemon.cfg.metrics_addr, "/metrics").await;
     daemon.stop().await?;
-    let engine_blocks = publishers.values().map(|p| p.len() as u64).sum();
+    if cfg.jetstream && cfg.nats_url.is_none() {
+        drop(_nats);
+        let _ = std::fs::remove_dir_all(&store);
+    }
 
     let rtt = rtt.lock();
     Ok(E2eReport {
