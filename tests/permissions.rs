@@ -93,3 +93,37 @@ async fn each_party_can_do_its_job_and_nothing_else() {
     assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0, "nothing forged reached worker 1's sequence");
     d.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_mode_works_under_its_role_and_nobody_else_touches_the_stream() {
+    let conf = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nats/least-privilege.conf");
+    let store = std::env::temp_dir().join(format!("kvindex-perm-js-{}-{}", std::process::id(), support::free_port()));
+    let args = ["-c", conf, "-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
+    let nats = NatsProcess::start_with(support::free_port(), &args, &SECRETS).expect("nats-server takes the config");
+    let url = nats.url();
+    let d = Daemon::start(&url, |cfg| {
+        cfg.prefix = "kv".into();
+        cfg.nats_user = Some("kvindex".into());
+        cfg.nats_password = Some("k-secret".into());
+        cfg.ingest = kvindex::config::Ingest::Jetstream;
+    })
+    .await;
+    let engine1 = connect(&url, "engine-1", "e1-secret").await;
+    let p1 = Publisher::start(engine1.clone(), PublisherConfig::new("kv", 1, 0)).await.unwrap();
+    p1.stored(None, &[StoredBlock::new(10, 1), StoredBlock::new(11, 2)]);
+    p1.flush().await;
+    let router = connect(&url, "router", "r-secret").await;
+    let lookups = LookupClient::new(router.clone(), "kv").with_timeout(Duration::from_secs(2));
+    let q = Query::hashes(&[LocalHash(1), LocalHash(2)]);
+    let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default() }];
+    let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
+    assert!(seen.is_some(), "kvindex reads its stream under its role");
+    for (who, client) in [("engine", &engine1), ("router", &router)] {
+        let js = async_nats::jetstream::new(client.clone());
+        assert!(js.delete_stream("KV_EVENTS").await.is_err(), "the {who} deleted the stream");
+    }
+    assert_eq!(d.metric("kvindex_stream_pending").await, 0.0);
+    d.stop().await.unwrap();
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
+}
