@@ -20,10 +20,11 @@
 use super::linear::{prefetch_raw, LinearMap};
 use super::{candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
 use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
-use crate::seeded::SeededMap;
+use crate::seeded::{SeededMap, SeededState};
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::cell::RefCell;
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
@@ -198,8 +199,10 @@ pub struct PositionalWriter {
     /// Orphans (held blocks whose parent is not held) by the place (position, prefix) of the
     /// parent they wait for: a block stored there, under any engine hash, adopts them.
     waiting: SeededMap<(u32, u64), Vec<u64>>,
-    /// Its hidden blocks.
-    hidden: u64,
+    /// Places of its hidden blocks: a second engine hash at one of them is an alias, seen as
+    /// it is hidden (hidden copies can hang under different hidden parents, so no sibling
+    /// scan finds them all).
+    hidden: HashSet<(u32, u64), SeededState>,
     /// Set when one place is held under two engine hashes at once (an alias), which the
     /// links cannot follow: nothing is hidden and lookups check the worker position by
     /// position, until it is cleared.
@@ -510,7 +513,7 @@ impl PositionalIndex {
         if hidden {
             rec.meta |= HIDDEN;
             cur.hidden += 1;
-            w.hidden += 1;
+            clean &= w.hidden.insert(place);
         }
         w.blocks.insert(hash, rec);
         if !hidden && !self.index_add(cur, pos, prefix, w.slot) {
@@ -551,7 +554,7 @@ impl PositionalIndex {
             return;
         }
         if rec.hidden() {
-            w.hidden -= 1;
+            w.hidden.remove(&rec.place());
             cur.hidden -= 1;
         } else {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
@@ -592,8 +595,10 @@ impl PositionalIndex {
     }
 
     /// Hides the blocks in `stack` (new orphans) and their descendants in the same jump window
-    /// from lookups; false if that is more than `MAX_WALK` blocks (the caller tangles).
+    /// from lookups; false if that is more than `MAX_WALK` blocks, or a place turned out to be
+    /// held twice (the caller tangles).
     fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) -> bool {
+        let mut clean = true;
         let mut walked = 0;
         while let Some(h) = stack.pop() {
             walked += 1;
@@ -609,14 +614,14 @@ impl PositionalIndex {
             r.meta |= HIDDEN;
             let rec = *r;
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
-            w.hidden += 1;
+            clean &= w.hidden.insert(rec.place());
             cur.hidden += 1;
             if self.same_window(rec.pos) {
                 w.children_into(h, &rec, &mut stack);
             }
         }
         w.stack = stack;
-        true
+        clean
     }
 
     /// Shows the blocks in `stack` (orphans just adopted under a visible parent) and their
@@ -638,7 +643,7 @@ impl PositionalIndex {
             }
             r.meta &= !HIDDEN;
             let rec = *r;
-            w.hidden -= 1;
+            w.hidden.remove(&rec.place());
             cur.hidden -= 1;
             if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
                 *w.aliases.entry(rec.place()).or_default() += 1;
@@ -657,7 +662,7 @@ impl PositionalIndex {
     /// from now on, until it is cleared.
     fn tangle(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter) {
         w.tangled = true;
-        if w.hidden > 0 {
+        if !w.hidden.is_empty() {
             let hidden: Vec<u64> = w.blocks.iter().filter(|(_, r)| r.hidden()).map(|(h, _)| h).collect();
             for h in hidden {
                 let Some(r) = w.blocks.get_mut(h) else { continue };
@@ -669,7 +674,7 @@ impl PositionalIndex {
                 }
             }
         }
-        w.hidden = 0;
+        w.hidden = HashSet::default();
         w.waiting = SeededMap::default();
         w.more_children = SeededMap::default();
     }
@@ -766,7 +771,7 @@ impl KvIndex for PositionalIndex {
             blocks: LinearMap::default(),
             more_children: SeededMap::default(),
             waiting: SeededMap::default(),
-            hidden: 0,
+            hidden: HashSet::default(),
             tangled: false,
             aliases: SeededMap::default(),
             chain: Vec::new(),
@@ -914,7 +919,7 @@ impl KvIndex for PositionalIndex {
         w.blocks = LinearMap::default();
         w.more_children = SeededMap::default();
         w.waiting = SeededMap::default();
-        w.hidden = 0;
+        w.hidden = HashSet::default();
         w.aliases = SeededMap::default();
         w.beyond.clear();
         w.tangled = false;
