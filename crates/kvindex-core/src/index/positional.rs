@@ -157,9 +157,6 @@ const HAS_MORE: u32 = 1 << 28;
 /// `Rec::meta` bits: 1 + its index in the list that holds it (its parent's `more_children`,
 /// or its wait list), 0 if it is its parent's first child or a root.
 const SIB_MASK: u32 = HAS_MORE - 1;
-/// Most siblings looked at to tell whether a hidden block's place is held twice; a worker
-/// with a bigger family there is treated as if it were.
-const MAX_SIBLING_SCAN: usize = 64;
 /// Most blocks one hole may hide or show (the reference trace needs under 200, with every
 /// block in one worker): a publisher that builds a bigger subtree in one jump window gets its
 /// worker tangled instead, so a one-block event never costs more than this.
@@ -360,26 +357,6 @@ impl PositionalWriter {
             }
         }
     }
-
-    /// Whether another of its blocks holds the place of the removed hidden block `rec`: only
-    /// a sibling can (same parent place); a family too big to scan counts as yes.
-    fn place_held_twice(&self, rec: &Rec) -> bool {
-        let same = |h: &u64| self.blocks.get(*h).is_some_and(|s| s.place() == rec.place());
-        let siblings: &[u64] = if rec.meta & ORPHAN != 0 {
-            self.waiting.get(&(rec.pos.wrapping_sub(1), rec.parent)).map_or(&[], |v| v.as_slice())
-        } else {
-            match self.blocks.get(rec.parent) {
-                Some(p) if p.meta & HAS_CHILD != 0 => {
-                    if same(&p.first_child) {
-                        return true;
-                    }
-                    self.more_children.get(&rec.parent).map_or(&[], |v| v.as_slice())
-                }
-                _ => &[],
-            }
-        };
-        siblings.len() > MAX_SIBLING_SCAN || siblings.iter().any(same)
-    }
 }
 
 /// Where the next block of a stored chain goes.
@@ -538,8 +515,7 @@ impl PositionalIndex {
 
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
     /// and its parent's children; its children become orphans, hidden with their subtrees.
-    /// `parent_of_next`: the chain being stored continues under it (as an orphan).
-    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec, parent_of_next: bool) {
+    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec) {
         if w.tangled {
             let key = rec.place();
             match if w.aliases.is_empty() { None } else { w.aliases.get_mut(&key) } {
@@ -559,14 +535,7 @@ impl PositionalIndex {
         } else {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
         }
-        // Two hidden blocks at one place are not seen when stored; the children of one must
-        // not be orphaned while the other holds their parent's place.
-        let twice = rec.hidden() && (rec.meta & HAS_CHILD != 0 || parent_of_next) && w.place_held_twice(&rec);
         w.unlink(&rec);
-        if twice {
-            self.tangle(cur, w);
-            return;
-        }
         if rec.meta & HAS_CHILD == 0 {
             return;
         }
@@ -842,7 +811,7 @@ impl KvIndex for PositionalIndex {
                 }
                 // The engine reused this hash for another block: its old placement goes.
                 w.blocks.remove(hash);
-                self.remove_rec(&mut cur, w, hash, old, parent_ref.is_some_and(|p| p.hash == hash));
+                self.remove_rec(&mut cur, w, hash, old);
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
                 if let Some(p) = parent_ref.as_mut() {
@@ -891,7 +860,7 @@ impl KvIndex for PositionalIndex {
             let was_beyond = w.beyond.forget(*h);
             match w.blocks.remove(h.0) {
                 Some(rec) => {
-                    self.remove_rec(&mut cur, w, h.0, rec, false);
+                    self.remove_rec(&mut cur, w, h.0, rec);
                     out.removed += 1;
                 }
                 None if was_beyond => {}
