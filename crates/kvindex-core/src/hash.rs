@@ -23,7 +23,8 @@ pub struct BlockHash(pub u64);
 /// Local hashes are uniform 64-bit values, so distinct prefixes collide with probability about
 /// 2^-64, like any 64-bit hash. A lookup computes one per position on its critical path: this
 /// costs one multiply-add (about 1.6 ns here) where XXH3 over the same 16 bytes costs 6 ns.
-/// It never leaves the process, so it is kvindex's to choose.
+/// It leaves the process only in kvindex's own snapshots (whose format version fixes it), so
+/// it is kvindex's to choose.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PrefixHash(pub u64);
 

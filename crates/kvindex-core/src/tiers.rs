@@ -9,7 +9,8 @@
 
 use crate::event::{Event, Tier};
 use crate::hash::WorkerId;
-use crate::index::{ApplyOutcome, KvIndex};
+use crate::index::{ApplyOutcome, KvIndex, Saved};
+use serde::{Deserialize, Serialize};
 
 /// The indexes of the tiers other than device, built alike.
 pub struct OtherTiers<I> {
@@ -98,6 +99,32 @@ impl<I: KvIndex> OtherTiers<I> {
         out
     }
 
+    /// The worker's host and disk blocks, for a snapshot.
+    pub fn save(&self, ws: &TierWriters<I::Writer>) -> SavedTiers {
+        SavedTiers { host: ws.host.as_ref().map(|w| self.host.save(w)), disk: ws.disk.as_ref().map(|w| self.disk.save(w)) }
+    }
+
+    /// Rebuilds the worker's host and disk blocks from [`OtherTiers::save`]; a tier the
+    /// worker cannot get a slot in is refused.
+    pub fn restore(&self, worker: WorkerId, ws: &mut TierWriters<I::Writer>, saved: &SavedTiers) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        for (tier, saved) in [(Tier::Host, &saved.host), (Tier::Disk, &saved.disk)] {
+            let (Some(saved), Some(index), Some(slot)) = (saved, self.get(tier), ws.slot(tier)) else { continue };
+            let w = match slot {
+                Some(w) => w,
+                None => match index.writer(worker) {
+                    Ok(w) => slot.insert(w),
+                    Err(_) => {
+                        out.refused += 1;
+                        continue;
+                    }
+                },
+            };
+            out.add(&index.restore(w, saved));
+        }
+        out
+    }
+
     /// Drops the worker from both tiers, freeing its slots.
     pub fn remove_worker(&self, ws: TierWriters<I::Writer>) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
@@ -109,6 +136,15 @@ impl<I: KvIndex> OtherTiers<I> {
         }
         out
     }
+}
+
+/// A worker's saved blocks in the tiers other than device (`None`: it has none there).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedTiers {
+    /// Its host-memory blocks.
+    pub host: Option<Saved>,
+    /// Its disk blocks.
+    pub disk: Option<Saved>,
 }
 
 /// One worker's match depth in each tier a lookup asked for (0 where not asked or not held).

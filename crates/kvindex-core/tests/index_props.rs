@@ -1,8 +1,9 @@
 //! Every backend must answer exactly like the reference model, on random event streams
 //! built to hit the hard cases: chunk-hash collisions (a tiny local-hash alphabet), removals
 //! in the middle of chains, engine hashes reused for other blocks, duplicates, unknown
-//! parents and removes, clears, workers removed and coming back (restarts), chains past the
-//! depth limit continued in later pieces, and chains longer than a position chunk.
+//! parents and removes, clears, workers removed and coming back, restarts (every worker saved
+//! and restored into a new index, as a snapshot does), chains past the depth limit continued
+//! in later pieces, and chains longer than a position chunk.
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
@@ -14,11 +15,29 @@ use std::collections::HashMap;
 
 #[derive(Clone, Debug)]
 enum Op {
-    Store { worker: usize, parent: Option<u64>, blocks: Vec<(u64, u64)> },
-    Remove { worker: usize, hashes: Vec<u64> },
-    Clear { worker: usize },
-    RemoveWorker { worker: usize },
-    Lookup { query: Vec<u64>, only: Option<Vec<u64>>, max_blocks: Option<usize>, max_matches: Option<usize> },
+    Store {
+        worker: usize,
+        parent: Option<u64>,
+        blocks: Vec<(u64, u64)>,
+    },
+    Remove {
+        worker: usize,
+        hashes: Vec<u64>,
+    },
+    Clear {
+        worker: usize,
+    },
+    RemoveWorker {
+        worker: usize,
+    },
+    /// Every worker saved, then restored into a new, empty index.
+    Restart,
+    Lookup {
+        query: Vec<u64>,
+        only: Option<Vec<u64>>,
+        max_blocks: Option<usize>,
+        max_matches: Option<usize>,
+    },
 }
 
 /// Worker identities: a few ids, two dp ranks each.
@@ -41,6 +60,7 @@ fn op_strategy_chains(workers: usize, hashes: u64, locals: u64, chain: usize) ->
         3 => (w.clone(), proptest::collection::vec(h.clone(), 1..4)).prop_map(|(worker, hashes)| Op::Remove { worker, hashes }),
         1 => w.clone().prop_map(|worker| Op::Clear { worker }),
         1 => w.prop_map(|worker| Op::RemoveWorker { worker }),
+        1 => Just(Op::Restart),
         5 => (
             proptest::collection::vec(l, 1..10),
             proptest::option::weighted(0.2, proptest::collection::vec(0u64..4, 1..3)),
@@ -62,6 +82,7 @@ fn hole_strategy(workers: usize, hashes: u64, chain: usize) -> impl Strategy<Val
             .prop_map(|(worker, parent, blocks)| Op::Store { worker, parent, blocks }),
         5 => (w.clone(), h).prop_map(|(worker, x)| Op::Remove { worker, hashes: vec![x] }),
         1 => w.prop_map(|worker| Op::Clear { worker }),
+        1 => Just(Op::Restart),
         4 => (proptest::collection::vec(0u64..2, 1..chain.max(12)), proptest::option::weighted(0.2, 0usize..3))
             .prop_map(|(query, max_matches)| Op::Lookup { query, only: None, max_blocks: None, max_matches }),
     ]
@@ -72,16 +93,36 @@ struct Driver<I: KvIndex> {
     index: I,
     writers: HashMap<usize, I::Writer>,
     spread: u64,
+    /// Makes the empty index a restart restores into.
+    make: Box<dyn Fn() -> I>,
 }
 
 impl<I: KvIndex> Driver<I> {
-    fn new(index: I, spread: u64) -> Self {
-        Driver { index, writers: HashMap::new(), spread }
+    fn new(make: impl Fn() -> I + 'static, spread: u64) -> Self {
+        Driver { index: make(), writers: HashMap::new(), spread, make: Box::new(make) }
+    }
+
+    /// Saves every worker, then restores them all into a new index; the restores' outcome.
+    fn restart(&mut self) -> ApplyOutcome {
+        let mut saved: Vec<(usize, _)> = self.writers.iter().map(|(&w, writer)| (w, self.index.save(writer))).collect();
+        saved.sort_by_key(|(w, _)| *w);
+        self.index = (self.make)();
+        self.writers.clear();
+        let mut out = ApplyOutcome::default();
+        for (w, s) in saved {
+            let mut writer = self.index.writer(worker_id(w, self.spread)).expect("registry has room");
+            out.add(&self.index.restore(&mut writer, &s));
+            self.writers.insert(w, writer);
+        }
+        out
     }
 
     /// Applies `op`; lookups return their answer, writes their outcome.
     fn apply(&mut self, op: &Op) -> (Option<ApplyOutcome>, Option<Vec<WorkerMatch>>) {
-        let Driver { index, writers, spread } = self;
+        if let Op::Restart = op {
+            return (Some(self.restart()), None);
+        }
+        let Driver { index, writers, spread, .. } = self;
         let spread = *spread;
         fn writer<'a, I: KvIndex>(
             index: &I,
@@ -105,6 +146,7 @@ impl<I: KvIndex> Driver<I> {
                 Some(w) => (Some(index.remove_worker(w)), None),
                 None => (None, None),
             },
+            Op::Restart => (None, None),
             Op::Lookup { query, only, max_blocks, max_matches } => {
                 let q: Vec<LocalHash> = query.iter().map(|&l| LocalHash(l)).collect();
                 let opts = MatchOptions {
@@ -124,9 +166,9 @@ fn check(ops: &[Op], jump: usize, spread: u64) -> Result<(), TestCaseError> {
 
 fn check_depth(ops: &[Op], jump: usize, spread: u64, max_depth: u32) -> Result<(), TestCaseError> {
     let cfg = PositionalConfig { jump, max_depth, max_workers: 1 << 12 };
-    let mut reference = Driver::new(ReferenceIndex::new(max_depth, 1 << 12), spread);
-    let mut positional = Driver::new(PositionalIndex::new(cfg), spread);
-    let mut radix = Driver::new(RadixIndex::new(max_depth, 1 << 12), spread);
+    let mut reference = Driver::new(move || ReferenceIndex::new(max_depth, 1 << 12), spread);
+    let mut positional = Driver::new(move || PositionalIndex::new(cfg), spread);
+    let mut radix = Driver::new(move || RadixIndex::new(max_depth, 1 << 12), spread);
     for (i, op) in ops.iter().enumerate() {
         let want = reference.apply(op);
         let got_p = positional.apply(op);

@@ -15,7 +15,7 @@ pub mod reference;
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::seeded::SeededState;
 use crate::workers::{RegistryError, Slot, SlotBits, WorkerRegistry};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// What one write did, for the caller to count. Bad input is reported here, never a panic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
@@ -93,6 +93,46 @@ pub struct IndexStats {
     pub hidden: u64,
 }
 
+/// One worker's blocks as a snapshot keeps them (see [`KvIndex::save`]): enough for the
+/// same backend to rebuild the worker exactly, holes and hidden blocks included.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Saved {
+    /// Its blocks, by position (so every parent comes before its children).
+    pub blocks: Vec<SavedBlock>,
+    /// Engine hashes of its blocks past the maximum depth (see [`ApplyOutcome::too_deep`]), so a chain
+    /// continued under one of them stays too deep, not unplaceable.
+    pub beyond: Vec<u64>,
+}
+
+/// A block of a saved worker.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedBlock {
+    /// Its engine hash.
+    pub hash: u64,
+    /// Its position in the sequence.
+    pub pos: u32,
+    /// The backend's key of its place: the prefix hash (positional, reference) or the
+    /// local hash (radix).
+    pub key: u64,
+    /// What it hangs under.
+    pub parent: SavedParent,
+}
+
+/// What a saved block hangs under.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum SavedParent {
+    /// Nothing: it is at position 0.
+    Root,
+    /// The worker's block with this engine hash (saved before it).
+    Block(u64),
+    /// A place the worker does not hold (the block is an orphan), in the backend's terms:
+    /// the parent's prefix hash (positional), or the local hashes of its path (radix).
+    Place(Vec<u64>),
+    /// Unknown: the worker's links were given up (a tangled positional worker); the block
+    /// is placed alone.
+    Loose,
+}
+
 /// Errors of the index itself (not of the input).
 #[derive(Debug, thiserror::Error)]
 pub enum IndexError {
@@ -140,6 +180,15 @@ pub trait KvIndex: Send + Sync + 'static {
 
     /// Current size.
     fn stats(&self) -> IndexStats;
+
+    /// The worker's blocks, for a snapshot that [`KvIndex::restore`] of the same backend
+    /// reads back.
+    fn save(&self, w: &Self::Writer) -> Saved;
+
+    /// Rebuilds an empty worker from what [`KvIndex::save`] of this backend wrote. A block
+    /// that cannot be placed (a parent not saved before it, a position past the maximum
+    /// depth) is counted as unplaceable or too deep, never a panic.
+    fn restore(&self, w: &mut Self::Writer, saved: &Saved) -> ApplyOutcome;
 }
 
 /// Engine hashes of a worker's blocks past the maximum depth. They are never placed, but they
@@ -170,6 +219,16 @@ impl Beyond {
     /// Forgets everything (the worker was cleared).
     pub(crate) fn clear(&mut self) {
         self.0 = Default::default();
+    }
+
+    /// Every hash past the maximum depth, for a snapshot.
+    pub(crate) fn to_vec(&self) -> Vec<u64> {
+        self.0.iter().copied().collect()
+    }
+
+    /// Remembers saved hashes as too deep.
+    pub(crate) fn extend(&mut self, hashes: &[u64]) {
+        self.0.extend(hashes.iter().copied());
     }
 }
 

@@ -18,7 +18,10 @@
 //! hidden, and lookups that meet it check every position, until it is cleared.
 
 use super::linear::{prefetch_raw, LinearMap};
-use super::{candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use super::{
+    candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, Saved, SavedBlock,
+    SavedParent, WorkerMatch,
+};
 use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::seeded::{SeededMap, SeededState};
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
@@ -939,6 +942,76 @@ impl KvIndex for PositionalIndex {
             depths.extend(alive.iter().map(|s| (s, n as u32)));
             finish_matches(&self.registry, depths, opts.max_matches)
         })
+    }
+
+    fn save(&self, w: &PositionalWriter) -> Saved {
+        let parent = |r: &Rec| {
+            if r.pos == 0 {
+                SavedParent::Root
+            } else if w.tangled {
+                SavedParent::Loose
+            } else if r.meta & ORPHAN != 0 {
+                SavedParent::Place(vec![r.parent])
+            } else {
+                SavedParent::Block(r.parent)
+            }
+        };
+        let mut blocks: Vec<SavedBlock> =
+            w.blocks.iter().map(|(hash, r)| SavedBlock { hash, pos: r.pos, key: r.prefix, parent: parent(r) }).collect();
+        blocks.sort_unstable_by_key(|b| (b.pos, b.hash));
+        Saved { blocks, beyond: w.beyond.to_vec() }
+    }
+
+    fn restore(&self, w: &mut PositionalWriter, saved: &Saved) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let was_holey = w.holey();
+        let mut cur = WriteCursor::new(self);
+        if saved.blocks.iter().any(|b| b.parent == SavedParent::Loose) {
+            self.tangle(&mut cur, w);
+        }
+        for b in &saved.blocks {
+            let place = (b.pos, b.key);
+            if b.pos >= self.cfg.max_depth {
+                out.too_deep += 1;
+                continue;
+            }
+            if w.blocks.get(b.hash).is_some() {
+                out.duplicates += 1;
+                continue;
+            }
+            if w.tangled {
+                w.blocks.insert(b.hash, Rec { parent: 0, prefix: b.key, first_child: 0, pos: b.pos, meta: 0 });
+                if !self.index_add(&mut cur, b.pos, b.key, w.slot) {
+                    *w.aliases.entry(place).or_default() += 1;
+                }
+                out.stored += 1;
+                continue;
+            }
+            let (parent, under_hidden) = match &b.parent {
+                SavedParent::Root if b.pos == 0 => (None, false),
+                SavedParent::Block(ph) if b.pos > 0 => match w.blocks.get(*ph) {
+                    Some(p) if p.pos + 1 == b.pos => (Some(ParentRef { hash: *ph, prefix: p.prefix, held: true }), p.hidden()),
+                    _ => {
+                        out.unplaceable += 1;
+                        continue;
+                    }
+                },
+                SavedParent::Place(key) if b.pos > 0 && key.len() == 1 => {
+                    (Some(ParentRef { hash: 0, prefix: key[0], held: false }), true)
+                }
+                _ => {
+                    out.unplaceable += 1;
+                    continue;
+                }
+            };
+            self.place_new(&mut cur, w, b.hash, place, parent, under_hidden);
+            out.stored += 1;
+        }
+        drop(cur);
+        w.beyond.extend(&saved.beyond);
+        self.placements.fetch_add(out.stored as i64, Ordering::Relaxed);
+        self.note_holey(w, was_holey);
+        out
     }
 
     fn stats(&self) -> IndexStats {

@@ -2,7 +2,10 @@
 //! workers that cache the block at the end of its path. A lookup walks the query's path
 //! once, with no prefix hashing, so it wins on short or highly divergent sequences.
 
-use super::{candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use super::{
+    candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, Saved, SavedBlock,
+    SavedParent, WorkerMatch,
+};
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::seeded::SeededMap;
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
@@ -307,6 +310,80 @@ impl KvIndex for RadixIndex {
             drop(tree);
             finish_matches(&self.registry, depths, opts.max_matches)
         })
+    }
+
+    fn save(&self, w: &RadixWriter) -> Saved {
+        let tree = self.tree.read();
+        // One engine hash per held node, to name a parent by.
+        let held: SeededMap<NodeId, u64> = w.blocks.iter().map(|(&h, &n)| (n, h)).collect();
+        let mut blocks: Vec<SavedBlock> = w
+            .blocks
+            .iter()
+            .map(|(&hash, &node)| {
+                let n = tree.nodes[node as usize];
+                let parent = if n.parent == ROOT {
+                    SavedParent::Root
+                } else if let Some(&ph) = held.get(&n.parent) {
+                    SavedParent::Block(ph)
+                } else {
+                    let mut path = Vec::new();
+                    let mut at = n.parent;
+                    while at != ROOT {
+                        let a = tree.nodes[at as usize];
+                        path.push(a.local);
+                        at = a.parent;
+                    }
+                    path.reverse();
+                    SavedParent::Place(path)
+                };
+                SavedBlock { hash, pos: n.depth - 1, key: n.local, parent }
+            })
+            .collect();
+        blocks.sort_unstable_by_key(|b| (b.pos, b.hash));
+        Saved { blocks, beyond: w.beyond.to_vec() }
+    }
+
+    fn restore(&self, w: &mut RadixWriter, saved: &Saved) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let mut tree = self.tree.write();
+        for b in &saved.blocks {
+            if b.pos >= self.max_depth {
+                out.too_deep += 1;
+                continue;
+            }
+            if w.blocks.contains_key(&b.hash) {
+                out.duplicates += 1;
+                continue;
+            }
+            let parent = match &b.parent {
+                SavedParent::Root => Some(ROOT),
+                SavedParent::Block(ph) => w.blocks.get(ph).copied(),
+                SavedParent::Place(path) if path.len() == b.pos as usize => {
+                    Some(path.iter().fold(ROOT, |at, &local| tree.child_or_insert(at, local)))
+                }
+                _ => None,
+            };
+            let parent = match parent {
+                Some(p) if tree.nodes[p as usize].depth == b.pos => p,
+                other => {
+                    if let Some(p) = other {
+                        tree.prune(p);
+                    }
+                    out.unplaceable += 1;
+                    continue;
+                }
+            };
+            let child = tree.child_or_insert(parent, b.key);
+            let Tree { nodes, spill, .. } = &mut *tree;
+            if !nodes[child as usize].set.insert_spilling(w.slot, spill) {
+                *w.aliases.entry(child).or_default() += 1;
+            }
+            w.blocks.insert(b.hash, child);
+            out.stored += 1;
+        }
+        w.beyond.extend(&saved.beyond);
+        self.placements.fetch_add(out.stored as i64, Ordering::Relaxed);
+        out
     }
 
     fn stats(&self) -> IndexStats {

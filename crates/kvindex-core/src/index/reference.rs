@@ -2,7 +2,7 @@
 //! Each worker is a map block hash -> (position, prefix); a lookup checks every position of
 //! every worker. Slow on purpose; never used to serve.
 
-use super::{ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+use super::{ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, Saved, SavedBlock, SavedParent, WorkerMatch};
 use crate::hash::{prefix_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::workers::WorkerRegistry;
 use parking_lot::Mutex;
@@ -137,6 +137,35 @@ impl KvIndex for ReferenceIndex {
         }
         out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
         out.truncate(opts.max_matches.unwrap_or(usize::MAX));
+        out
+    }
+
+    fn save(&self, w: &ReferenceWriter) -> Saved {
+        let all = self.workers.lock();
+        let mut blocks: Vec<SavedBlock> = all
+            .get(&w.0)
+            .into_iter()
+            .flatten()
+            .map(|(&hash, &(pos, prefix))| SavedBlock { hash, pos, key: prefix.0, parent: SavedParent::Loose })
+            .collect();
+        blocks.sort_unstable_by_key(|b| (b.pos, b.hash));
+        Saved { blocks, beyond: w.1.to_vec() }
+    }
+
+    fn restore(&self, w: &mut ReferenceWriter, saved: &Saved) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let mut all = self.workers.lock();
+        let held = all.entry(w.0).or_default();
+        for b in &saved.blocks {
+            if b.pos >= self.max_depth {
+                out.too_deep += 1;
+            } else if held.insert(b.hash, (b.pos, PrefixHash(b.key))).is_some() {
+                out.duplicates += 1;
+            } else {
+                out.stored += 1;
+            }
+        }
+        w.1.extend(&saved.beyond);
         out
     }
 
