@@ -5,9 +5,9 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use kvindex_core::hash::WorkerId;
-use kvindex_core::index::{ApplyOutcome, KvIndex};
+use kvindex_core::index::{ApplyOutcome, KvIndex, Saved};
 use kvindex_core::seeded::{SeededMap, SeededState};
-use kvindex_core::tiers::{OtherTiers, TierWriters};
+use kvindex_core::tiers::{OtherTiers, SavedTiers, TierWriters};
 use kvindex_core::{Event, Tier};
 use parking_lot::Mutex;
 use std::hash::BuildHasher;
@@ -22,13 +22,32 @@ pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64) + Send + Sync>;
 pub type Then = Box<dyn FnOnce() + Send>;
 
 enum Command {
-    Apply { worker: WorkerId, events: Vec<Event>, tag: u64 },
+    Apply {
+        worker: WorkerId,
+        events: Vec<Event>,
+        tag: u64,
+    },
     Then(Then),
     RemoveWorker(WorkerId),
+    /// Sends every worker of the thread, saved, then drops the sender.
+    Save(Sender<SavedWorker>),
+    /// Rebuilds a worker from a snapshot.
+    Restore(Box<SavedWorker>),
     Flush(Sender<()>),
 }
 
 /// The queue of a thread was full; the batch is handed back.
+/// One worker as a snapshot keeps it: its blocks in every tier.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SavedWorker {
+    /// The worker and dp rank.
+    pub worker: WorkerId,
+    /// Its GPU blocks.
+    pub device: Saved,
+    /// Its host and disk blocks.
+    pub tiers: SavedTiers,
+}
+
 #[derive(Debug)]
 pub struct QueueFull {
     pub worker: WorkerId,
@@ -136,6 +155,22 @@ impl<I: KvIndex> ApplyPool<I> {
     }
 
     /// Drops every block of `worker` and frees its slot, after its queued events.
+    /// Every worker, saved by its own thread once the events queued before this call are
+    /// applied (and none queued after): the state those events leave, at no pause of ingest.
+    pub fn save(&self) -> Receiver<SavedWorker> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        for s in &self.senders {
+            let _ = s.send(Command::Save(tx.clone()));
+        }
+        rx
+    }
+
+    /// Rebuilds `saved`'s worker (which must hold nothing yet) after the events queued
+    /// before it; its outcome goes to the hook like an event's.
+    pub fn restore(&self, saved: SavedWorker) {
+        let _ = self.senders[self.thread_of(saved.worker)].send(Command::Restore(Box::new(saved)));
+    }
+
     pub fn remove_worker(&self, worker: WorkerId) {
         let _ = self.senders[self.thread_of(worker)].send(Command::RemoveWorker(worker));
     }
@@ -190,6 +225,33 @@ struct Writers<W> {
     others: TierWriters<W>,
 }
 
+/// The writers of `worker`, created on its first command. `None` when the registry is full:
+/// then `refused` is reported to the hook, not logged here (the hook counts it and logs at a
+/// bounded rate, so a flood of new workers does not flood the log).
+fn writers_of<'a, I: KvIndex>(
+    writers: &'a mut SeededMap<WorkerId, Writers<I::Writer>>,
+    index: &I,
+    worker: WorkerId,
+    refused: u64,
+    total: &Mutex<ApplyOutcome>,
+    hook: &Option<OnApplied>,
+) -> Option<&'a mut Writers<I::Writer>> {
+    match writers.entry(worker) {
+        std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
+        std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
+            Ok(w) => Some(v.insert(Writers { device: w, others: TierWriters::default() })),
+            Err(_) => {
+                let out = ApplyOutcome { refused, ..ApplyOutcome::default() };
+                total.lock().add(&out);
+                if let Some(h) = hook {
+                    h(worker, &out, 0);
+                }
+                None
+            }
+        },
+    }
+}
+
 fn apply_loop<I: KvIndex>(
     index: &I,
     others: Option<&OtherTiers<I>>,
@@ -202,22 +264,7 @@ fn apply_loop<I: KvIndex>(
     for cmd in rx {
         match cmd {
             Command::Apply { worker, events, tag } => {
-                let w = match writers.entry(worker) {
-                    std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
-                    std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
-                        Ok(w) => v.insert(Writers { device: w, others: TierWriters::default() }),
-                        Err(_) => {
-                            // Reported, not logged here: the hook counts it and logs at a
-                            // bounded rate (a flood of new workers must not flood the log).
-                            let out = ApplyOutcome { refused: events.len() as u64, ..ApplyOutcome::default() };
-                            total.lock().add(&out);
-                            if let Some(h) = &hook {
-                                h(worker, &out, tag);
-                            }
-                            continue;
-                        }
-                    },
-                };
+                let Some(w) = writers_of(&mut writers, index, worker, events.len() as u64, total, &hook) else { continue };
                 let mut out = ApplyOutcome::default();
                 for ev in &events {
                     out.add(&ev.apply_to(index, &mut w.device));
@@ -245,6 +292,25 @@ fn apply_loop<I: KvIndex>(
                         others.remove_worker(w.others);
                     }
                     total.lock().add(&out);
+                }
+            }
+            Command::Save(tx) => {
+                for (&worker, w) in writers.iter() {
+                    let tiers = others.map(|o| o.save(&w.others)).unwrap_or_default();
+                    let _ = tx.send(SavedWorker { worker, device: index.save(&w.device), tiers });
+                }
+            }
+            Command::Restore(saved) => {
+                let Some(w) = writers_of(&mut writers, index, saved.worker, 1, total, &hook) else { continue };
+                let mut out = index.restore(&mut w.device, &saved.device);
+                if let Some(others) = others {
+                    let tier = others.restore(saved.worker, &mut w.others, &saved.tiers);
+                    out.refused += tier.refused;
+                    out.tier_unplaceable += tier.unplaceable;
+                }
+                total.lock().add(&out);
+                if let Some(h) = &hook {
+                    h(saved.worker, &out, 0);
                 }
             }
             Command::Then(f) => f(),

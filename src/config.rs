@@ -55,6 +55,14 @@ pub struct Config {
     pub stream_max_bytes: i64,
     /// JetStream mode: copies of the stream (1, or 3 in a NATS cluster).
     pub stream_replicas: usize,
+    /// JetStream mode: one replica (the holder of a lease in the KV bucket `{stream}_LEASE`)
+    /// writes the index to the object store `{stream}_SNAPSHOTS` every this many seconds
+    /// (0: never by time) or after `snapshot_events` stream messages (0: never by count); a
+    /// restarted replica loads the newest and replays only the stream after it.
+    pub snapshot_interval: u64,
+    pub snapshot_events: u64,
+    /// JetStream mode: snapshots kept in the object store (the newest first).
+    pub snapshot_keep: usize,
     /// Index backend.
     pub backend: Backend,
     /// Jump of the positional index's search.
@@ -169,6 +177,9 @@ impl Default for Config {
             stream_max_age: 3600,
             stream_max_bytes: 1 << 30,
             stream_replicas: 1,
+            snapshot_interval: 60,
+            snapshot_events: 1_000_000,
+            snapshot_keep: 3,
             backend: Backend::Positional,
             jump: index.jump,
             max_depth: index.max_depth,
@@ -316,6 +327,9 @@ impl Config {
             }
             if self.stream_max_age == 0 || self.stream_max_bytes <= 0 || !(1..=5).contains(&self.stream_replicas) {
                 return bad("stream_max_age", "stream_max_age and stream_max_bytes above 0, stream_replicas 1 to 5");
+            }
+            if self.snapshot_keep == 0 {
+                return bad("snapshot_keep", "at least 1 (the newest snapshot is what a restart loads)");
             }
         }
         if self.nats_tls_cert.is_some() != self.nats_tls_key.is_some() {

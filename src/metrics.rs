@@ -43,6 +43,12 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub index_hidden: IntGauge,
     pub stream_pending: IntGauge,
+    pub snapshot_writes: IntCounterVec,
+    pub snapshot_lease: IntGauge,
+    pub snapshot_age: Gauge,
+    pub snapshot_bytes: IntGauge,
+    pub snapshot_write_seconds: Gauge,
+    pub snapshot_restore_seconds: Gauge,
     pub index_workers: IntGauge,
     pub nats_connected: IntGauge,
     pub nats_events: IntCounterVec,
@@ -247,6 +253,29 @@ impl Metrics {
                 "kvindex_stream_pending",
                 "JetStream ingest: messages of the stream not yet delivered to this replica (0 in core mode).",
             ),
+            snapshot_writes: counter_vec(
+                &r,
+                "kvindex_snapshot_writes_total",
+                "JetStream mode: index snapshots this replica wrote to the object store, by result (ok, error).",
+                &["result"],
+            ),
+            snapshot_lease: gauge(&r, "kvindex_snapshot_lease", "1 while this replica holds the snapshot lease (it writes the snapshots)."),
+            snapshot_age: gauge_f64(
+                &r,
+                "kvindex_snapshot_age_seconds",
+                "Age of the newest snapshot this replica wrote or loaded (-1: none yet); a restart replays the stream after it.",
+            ),
+            snapshot_bytes: gauge(&r, "kvindex_snapshot_bytes", "Size of the last snapshot this replica wrote or loaded."),
+            snapshot_write_seconds: gauge_f64(
+                &r,
+                "kvindex_snapshot_write_seconds",
+                "Time the last snapshot took: saving the index, encoding it and writing it to the object store.",
+            ),
+            snapshot_restore_seconds: gauge_f64(
+                &r,
+                "kvindex_snapshot_restore_seconds",
+                "Time this replica took at start to load the newest snapshot and apply it (before the stream after it).",
+            ),
             nats_connected: gauge(&r, "kvindex_nats_connected", "1 while connected to NATS."),
             nats_events: counter_vec(&r, "kvindex_nats_events_total", "NATS connection events, by kind.", &["event"]),
             registry: r,
@@ -270,6 +299,10 @@ impl Metrics {
         for result in ["begun", "complete", "gap"] {
             self.snapshots.with_label_values(&[result]);
         }
+        for result in ["ok", "error"] {
+            self.snapshot_writes.with_label_values(&[result]);
+        }
+        self.snapshot_age.set(-1.0);
         for event in ["connected", "disconnected", "slow_consumer"] {
             self.nats_events.with_label_values(&[event]);
         }

@@ -144,12 +144,121 @@ async fn nats_restarted_while_publishers_keep_working() {
     assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
 }
 
+/// A `nats-server` with JetStream, storing in a fresh directory (removed on drop).
+struct JetStreamNats {
+    nats: support::NatsProcess,
+    store: std::path::PathBuf,
+}
+
+impl JetStreamNats {
+    fn start() -> JetStreamNats {
+        let store = std::env::temp_dir().join(format!("kvindex-js-{}-{}", std::process::id(), support::free_port()));
+        let js_args = ["-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
+        let nats = support::NatsProcess::start_with(support::free_port(), &js_args, &[]).expect("nats-server with JetStream");
+        JetStreamNats { nats, store }
+    }
+}
+
+impl Drop for JetStreamNats {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// Closes every publisher: nobody is left to answer a resync.
+async fn close_publishers(fleet: &mut Fleet) {
+    for p in fleet.publishers.iter_mut() {
+        if let Some(p) = p.take() {
+            p.close().await;
+        }
+    }
+}
+
+/// Polls until the daemon has written `n` snapshots.
+async fn wait_snapshots(d: &mut DaemonProcess, n: f64) {
+    let written =
+        support::eventually(30, || async { (d.metric("kvindex_snapshot_writes_total{result=\"ok\"}").await >= n).then_some(()) })
+            .await;
+    assert!(written.is_some(), "no snapshot written in 30 s; log:\n{}", d.log_text());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_mode_restarts_from_a_snapshot_when_the_stream_kept_only_what_came_after() {
+    let js = JetStreamNats::start();
+    let url = js.nats.url();
+    // The stream keeps 3 s of events: a restart a few seconds on can be whole only from a
+    // snapshot (written every second) and the stream after it.
+    let durable = [
+        ("RESYNC_INTERVAL", "1"),
+        ("READY_SETTLE_MS", "0"),
+        ("INGEST", "jetstream"),
+        ("STREAM_MAX_AGE", "3"),
+        ("SNAPSHOT_INTERVAL", "1"),
+        ("SNAPSHOT_EVENTS", "0"),
+    ];
+    let mut d = DaemonProcess::start(&url, &[], &durable);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&url, "t", 4, 11).await;
+    let router = connect(&url).await;
+    fleet.run(3000, Duration::from_micros(100)).await;
+    converge(&router, &fleet, &mut d, "snapshots, baseline").await;
+    wait_snapshots(&mut d, 1.0).await;
+    // Past the stream's max age: the events before now are gone from it, heartbeats go on.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    fleet.run(300, Duration::from_micros(100)).await;
+    converge(&router, &fleet, &mut d, "snapshots, after the stream aged").await;
+    let written = d.metric("kvindex_snapshot_writes_total{result=\"ok\"}").await;
+    wait_snapshots(&mut d, written + 1.0).await;
+    assert!(d.metric("kvindex_snapshot_bytes").await > 0.0);
+    assert_eq!(d.metric("kvindex_snapshot_lease").await, 1.0, "the only replica holds the lease");
+
+    let engines = fleet.engines.clone();
+    close_publishers(&mut fleet).await;
+    d.kill9();
+    d.restart();
+    let ready = d.wait_ready(15).await;
+    let held: usize = engines.iter().map(|e| e.len()).sum();
+    assert_eq!(d.metric("kvindex_index_blocks").await, held as f64, "ready before snapshot and stream were applied");
+    eprintln!("snapshot restart: ready {} ms after the process started", ready.as_millis());
+    let diff = first_difference(&router, "t.lookup", &engines, &all_queries(5)).await;
+    assert!(diff.is_none(), "ready but not whole from snapshot and stream: {diff:?}\nlog:\n{}", d.log_text());
+    assert!(d.metric("kvindex_snapshot_restore_seconds").await > 0.0, "restored from the snapshot");
+    assert_eq!(d.metric("kvindex_resync_requests_total{scope=\"all\"}").await, 0.0, "no broadcast when restored");
+    assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_the_stream_moved_past_is_not_used_and_the_publishers_rebuild_the_rest() {
+    let js = JetStreamNats::start();
+    let url = js.nats.url();
+    let durable = [("RESYNC_INTERVAL", "1"), ("READY_SETTLE_MS", "200"), ("INGEST", "jetstream"), ("SNAPSHOT_INTERVAL", "1")];
+    let mut d = DaemonProcess::start(&url, &[], &durable);
+    d.wait_ready(10).await;
+    let mut fleet = Fleet::start(&url, "t", 3, 12).await;
+    let router = connect(&url).await;
+    fleet.run(1000, Duration::from_micros(100)).await;
+    wait_snapshots(&mut d, 1.0).await;
+    d.kill9();
+    // Events come after the snapshot; then the stream loses everything up to now (as if it
+    // aged out while no replica ran), so what follows the snapshot is no longer there.
+    fleet.run(200, Duration::from_micros(100)).await;
+    let client = connect(&url).await;
+    let js_ctx = async_nats::jetstream::new(client);
+    let mut stream = js_ctx.get_stream("T_EVENTS").await.expect("the stream exists");
+    stream.purge().await.expect("purges");
+    assert!(stream.info().await.expect("info").state.messages == 0);
+    fleet.run(500, Duration::from_micros(100)).await;
+    d.restart();
+    d.wait_ready(15).await;
+    converge(&router, &fleet, &mut d, "stale snapshot").await;
+    assert_eq!(d.metric("kvindex_snapshot_restore_seconds").await, 0.0, "a snapshot with a gap after it was loaded");
+    assert!(d.metric("kvindex_resync_requests_total{scope=\"all\"}").await >= 1.0, "the publishers were asked");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone() {
-    let store = std::env::temp_dir().join(format!("kvindex-js-{}-{}", std::process::id(), support::free_port()));
-    let js_args = ["-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
-    let nats = support::NatsProcess::start_with(support::free_port(), &js_args, &[]).expect("nats-server with JetStream");
-    let url = nats.url();
+    let js = JetStreamNats::start();
+    let url = js.nats.url();
     // No settle time: with no publisher to wait for, only the replay may hold readiness back.
     let durable = [("RESYNC_INTERVAL", "1"), ("READY_SETTLE_MS", "0"), ("INGEST", "jetstream")];
     let mut d = DaemonProcess::start(&url, &[], &durable);
@@ -161,11 +270,7 @@ async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone()
 
     // Every publisher goes, then the daemon: nobody is left to answer a resync.
     let engines = fleet.engines.clone();
-    for p in fleet.publishers.iter_mut() {
-        if let Some(p) = p.take() {
-            p.close().await;
-        }
-    }
+    close_publishers(&mut fleet).await;
     d.kill9();
     d.restart();
     let ready = d.wait_ready(15).await;
@@ -177,8 +282,6 @@ async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone()
     assert!(diff.is_none(), "ready but not whole from the stream: {diff:?}\nlog:\n{}", d.log_text());
     assert_eq!(d.metric("kvindex_snapshots_total{result=\"complete\"}").await, 0.0, "no publisher was there to help");
     assert_eq!(d.metric("kvindex_stream_pending").await, 0.0);
-    drop(nats);
-    let _ = std::fs::remove_dir_all(&store);
 }
 
 /// A member of a two-node NATS cluster: clients on `port`, routes on `cluster`, peer at `peer`.

@@ -57,6 +57,11 @@ impl Cursors {
         Ok(self.by_worker.entry(w).or_insert(Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false }))
     }
 
+    /// Where every worker's sequence stands, for a snapshot: (worker, epoch, next event id).
+    pub(super) fn positions(&self) -> Vec<(WorkerId, u64, Option<u64>)> {
+        self.by_worker.iter().map(|(w, c)| (*w, c.epoch, c.next_id)).collect()
+    }
+
     /// Every worker tracked.
     pub(super) fn workers(&self) -> Vec<WorkerId> {
         self.by_worker.keys().copied().collect()
@@ -241,6 +246,24 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         let clear: Then = Box::new(move || st.clear_stale_if(w, generation));
         if let Err(clear) = pool.try_then(w, clear) {
             tokio::task::block_in_place(|| pool.then(w, clear));
+        }
+    }
+}
+
+/// Takes up a saved worker's sequence (a snapshot being restored), within the same limits as
+/// a new worker; false (counted and logged) if it cannot be tracked.
+pub(super) fn resume(state: &State, w: WorkerId, epoch: u64, next_id: Option<u64>) -> bool {
+    let mut cursors = state.cursors.lock();
+    match cursors.admit(w, epoch, Instant::now(), &state.cfg) {
+        Ok(c) => {
+            c.epoch = epoch;
+            c.next_id = next_id;
+            true
+        }
+        Err(refusal) => {
+            drop(cursors);
+            refuse(state, w, refusal, 1);
+            false
         }
     }
 }

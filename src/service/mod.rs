@@ -6,12 +6,14 @@
 //! - [`ingest`]: decoding batches and following each worker's event sequence;
 //! - [`lookup`]: answering routers;
 //! - [`recovery`]: resync requests, readiness after a rebuild, TTL expiry, NATS reconnects;
+//! - [`snapshot`]: JetStream mode's index snapshots in the NATS object store;
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
 mod http;
 mod ingest;
 mod lookup;
 mod recovery;
+mod snapshot;
 
 use crate::apply::{ApplyPool, OnApplied};
 use crate::config::{Config, Ingest};
@@ -79,6 +81,11 @@ struct State {
     replayed: AtomicBool,
     /// The stream's tail was reached and the apply threads are being flushed toward `replayed`.
     replay_flushing: AtomicBool,
+    /// JetStream: the last stream message ingested (or the restored snapshot's), which the
+    /// snapshot task reads to see how many came since its last snapshot.
+    stream_seq: AtomicU64,
+    /// When the newest snapshot this replica wrote or loaded was written (its age metric).
+    snapshot_written: Mutex<Option<Instant>>,
     /// Bumped whenever a worker is marked stale, so that a stale flag cleared after its
     /// snapshot is applied is not one set again meanwhile.
     stale_generation: AtomicU64,
@@ -248,18 +255,22 @@ struct Incoming {
     payload: bytes::Bytes,
     /// JetStream: messages of the stream not yet delivered to this replica.
     pending: Option<u64>,
+    /// JetStream: the message's sequence in the stream.
+    seq: Option<u64>,
 }
 
+/// The events, and whether the index was restored from a snapshot (no broadcast resync is
+/// needed then).
+type Events = (std::pin::Pin<Box<dyn futures::Stream<Item = Incoming> + Send>>, bool);
+
 /// Where events come from: a core subscription, or an ordered consumer of the JetStream
-/// stream (created if missing) from its first kept message.
-async fn event_source(
-    client: &Client,
-    state: &Arc<State>,
-) -> anyhow::Result<std::pin::Pin<Box<dyn futures::Stream<Item = Incoming> + Send>>> {
+/// stream (created if missing) from the message after the newest snapshot, which is restored
+/// first, or else from its first kept message.
+async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>>) -> anyhow::Result<Events> {
     let cfg = &state.cfg;
     if cfg.ingest == Ingest::Core {
         let sub = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
-        return Ok(Box::pin(sub.map(|m| Incoming { subject: m.subject, payload: m.payload, pending: None })));
+        return Ok((Box::pin(sub.map(|m| Incoming { subject: m.subject, payload: m.payload, pending: None, seq: None })), false));
     }
     use async_nats::jetstream::{self, consumer, stream};
     let js = jetstream::new(client.clone());
@@ -276,9 +287,19 @@ async fn event_source(
         })
         .await
         .map_err(|e| anyhow::anyhow!("creating or binding the JetStream stream {name}: {e}"))?;
-    let held = kept.info().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?.state.messages;
+    let kept_state = kept.info().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?.state.clone();
+    let began = Instant::now();
+    let (mut held, mut deliver_policy, mut restored) = (kept_state.messages, consumer::DeliverPolicy::All, false);
+    if let Some((snap, bytes)) = snapshot::load(&js, state, kept_state.first_sequence).await {
+        let seq = snap.stream_seq;
+        snapshot::restore(state, pool, snap, bytes, began).await;
+        state.stream_seq.store(seq, Ordering::Relaxed);
+        held = kept_state.last_sequence.saturating_sub(seq);
+        deliver_policy = consumer::DeliverPolicy::ByStartSequence { start_sequence: seq + 1 };
+        restored = true;
+    }
     let ordered = kept
-        .create_consumer(consumer::pull::OrderedConfig { deliver_policy: consumer::DeliverPolicy::All, ..Default::default() })
+        .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
         .await
         .map_err(|e| anyhow::anyhow!("creating a consumer of stream {name}: {e}"))?;
     let messages = ordered.messages().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?;
@@ -288,13 +309,18 @@ async fn event_source(
         state.replayed.store(true, Ordering::Relaxed);
     }
     let state = state.clone();
-    Ok(Box::pin(messages.filter_map(move |m| {
+    let messages = messages.filter_map(move |m| {
         let state = state.clone();
         async move {
             match m {
                 Ok(m) => {
-                    let pending = m.info().map(|i| i.pending).unwrap_or(0);
-                    Some(Incoming { subject: m.message.subject, payload: m.message.payload, pending: Some(pending) })
+                    let (pending, seq) = m.info().map(|i| (i.pending, i.stream_sequence)).unwrap_or((0, 0));
+                    Some(Incoming {
+                        subject: m.message.subject,
+                        payload: m.message.payload,
+                        pending: Some(pending),
+                        seq: Some(seq),
+                    })
                 }
                 Err(e) => {
                     state.log.warn("stream_error", || format!("reading the JetStream stream: {e}"));
@@ -302,7 +328,8 @@ async fn event_source(
                 }
             }
         }
-    })))
+    });
+    Ok((Box::pin(messages), restored))
 }
 
 /// JetStream: the replay is done once the stream has nothing more pending for this replica
@@ -340,6 +367,8 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         member: AtomicBool::new(false),
         replayed: AtomicBool::new(cfg.ingest == Ingest::Core),
         replay_flushing: AtomicBool::new(false),
+        stream_seq: AtomicU64::new(0),
+        snapshot_written: Mutex::new(None),
         events_prefix: events_prefix(&cfg),
         cfg: cfg.clone(),
     });
@@ -389,7 +418,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         let (lookup_events, _ignored) = mpsc::unbounded_channel();
         lookup_rt.handle().spawn(async move { connect(&cfg, lookup_events).await }).await??
     };
-    let mut events = event_source(&client, &state).await?;
+    let (mut events, restored) = event_source(&client, &state, &pool).await?;
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
@@ -401,8 +430,16 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     if !ignored.is_empty() {
         tracing::info!(variables = ?ignored, "ignoring KVINDEX_* variables that name no configuration key");
     }
-    // A restarted daemon rebuilds its index from the publishers.
-    recovery::broadcast_resync(&client, &state).await;
+    // A restarted daemon rebuilds its index from the publishers, unless a snapshot and the
+    // stream after it did.
+    if restored {
+        state.rebuilt();
+    } else {
+        recovery::broadcast_resync(&client, &state).await;
+    }
+    let (cut_tx, mut cut_rx) = mpsc::channel::<snapshot::CutRequest>(1);
+    let snapshots = (cfg.ingest == Ingest::Jetstream)
+        .then(|| tokio::spawn(snapshot::snapshot_loop(async_nats::jetstream::new(client.clone()), state.clone(), cut_tx)));
 
     let background = [
         tokio::spawn(recovery::nats_events(client.clone(), state.clone(), nats_rx)),
@@ -434,12 +471,18 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             msg = events.next() => match msg {
                 Some(msg) => {
                     ingest::ingest(&state, &pool, msg.subject.as_str(), &msg.payload);
+                    if let Some(seq) = msg.seq {
+                        state.stream_seq.store(seq, Ordering::Relaxed);
+                    }
                     if let Some(pending) = msg.pending {
                         replay_progress(&state, &pool, pending);
                     }
                 }
                 None => break,
             },
+            Some(reply) = cut_rx.recv() => {
+                let _ = reply.send(snapshot::cut(&state, &pool, state.stream_seq.load(Ordering::Relaxed)));
+            }
             _ = watchdog.tick() => {
                 let dead = pool.dead_threads();
                 metrics.dead_apply_threads.set(dead as i64);
@@ -470,7 +513,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             "shutdown grace period over (NATS unreachable or apply queues long); exiting anyway"
         );
     }
-    for task in background {
+    for task in background.into_iter().chain(snapshots) {
         task.abort();
     }
     if let Some(e) = failure {

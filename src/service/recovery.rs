@@ -51,6 +51,11 @@ impl State {
         self.metrics.ready.set(0);
     }
 
+    /// Rebuilt without a broadcast (from a snapshot of the index and the stream after it).
+    pub(super) fn rebuilt(&self) {
+        self.readiness.lock().ready = true;
+    }
+
     pub(super) fn snapshot_progress(&self, w: WorkerId, opened: bool, ended: bool) {
         let mut r = self.readiness.lock();
         r.last_activity = Instant::now();
