@@ -106,6 +106,7 @@ async fn durable_mode_works_under_its_role_and_nobody_else_touches_the_stream() 
         cfg.nats_user = Some("kvindex".into());
         cfg.nats_password = Some("k-secret".into());
         cfg.ingest = kvindex::config::Ingest::Jetstream;
+        cfg.snapshot_interval = 1;
     })
     .await;
     let engine1 = connect(&url, "engine-1", "e1-secret").await;
@@ -118,11 +119,34 @@ async fn durable_mode_works_under_its_role_and_nobody_else_touches_the_stream() 
     let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default() }];
     let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
     assert!(seen.is_some(), "kvindex reads its stream under its role");
+    // A refused request times out (10 s), so every attempt runs at once.
+    let mut attempts = Vec::new();
     for (who, client) in [("engine", &engine1), ("router", &router)] {
-        let js = async_nats::jetstream::new(client.clone());
-        assert!(js.delete_stream("KV_EVENTS").await.is_err(), "the {who} deleted the stream");
+        for stream in ["KV_EVENTS", "KV_KV_EVENTS_LEASE", "OBJ_KV_EVENTS_SNAPSHOTS"] {
+            let js = async_nats::jetstream::new(client.clone());
+            attempts.push(async move { (who, stream, js.delete_stream(stream).await.is_err()) });
+        }
+    }
+    for (who, stream, refused) in futures::future::join_all(attempts).await {
+        assert!(refused, "the {who} deleted {stream}");
     }
     assert_eq!(d.metric("kvindex_stream_pending").await, 0.0);
+    // It takes the snapshot lease and writes a snapshot under its role...
+    let written =
+        eventually(20, || async { (d.metric("kvindex_snapshot_writes_total{result=\"ok\"}").await >= 1.0).then_some(()) });
+    assert!(written.await.is_some(), "kvindex writes snapshots under its role");
+    d.stop().await.unwrap();
+    // ...and a restarted kvindex loads it under the same role.
+    let d = Daemon::start(&url, |cfg| {
+        cfg.prefix = "kv".into();
+        cfg.nats_user = Some("kvindex".into());
+        cfg.nats_password = Some("k-secret".into());
+        cfg.ingest = kvindex::config::Ingest::Jetstream;
+    })
+    .await;
+    assert!(d.metric("kvindex_snapshot_restore_seconds").await > 0.0, "kvindex loads its snapshot under its role");
+    let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
+    assert!(seen.is_some(), "whole again from the snapshot");
     d.stop().await.unwrap();
     drop(nats);
     let _ = std::fs::remove_dir_all(&store);
