@@ -290,7 +290,7 @@ struct E2eArgs {
     /// Apply threads of the daemon.
     #[arg(long, default_value_t = 1)]
     apply_threads: usize,
-    /// Durable mode: events through a JetStream stream; the restart rebuilds from it alone.
+    /// Durable mode: events through a JetStream stream; restarts rebuild from the last snapshot and the stream after it, then from the stream alone.
     #[arg(long)]
     jetstream: bool,
     /// Print JSON instead of a table.
@@ -394,6 +394,9 @@ fn e2e_cmd(a: E2eArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", tools::e2e::table(&rows));
+        if a.jetstream {
+            print!("{}", tools::e2e::durable_lines(&rows));
+        }
     }
     Ok(())
 }

@@ -216,3 +216,47 @@ async fn a_chain_longer_than_a_message_is_split_into_chained_events() {
     assert_eq!(m[0].blocks, 250);
     assert_eq!(index.stats().placements, 250);
 }
+
+/// With `jetstream_acks`, every batch of events lands in kvindex's stream once, under the
+/// message id (worker, dp rank, epoch, first event id), and is acknowledged: the same batch
+/// sent again under that id is recognised as a duplicate and not stored twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_acks_land_each_batch_once_under_its_message_id() {
+    let js_nats = support::JetStreamNats::start();
+    let url = js_nats.nats.url();
+    let d = support::Daemon::start(&url, |cfg| cfg.ingest = kvindex::config::Ingest::Jetstream).await;
+    let client = async_nats::connect(&url).await.unwrap();
+    let cfg = PublisherConfig { jetstream_acks: true, max_batch_events: 10, ..PublisherConfig::new("t", 7, 1) };
+    let epoch = cfg.epoch;
+    let p = Publisher::start(client.clone(), cfg).await.unwrap();
+    for i in 0..100u64 {
+        p.stored(None, &[StoredBlock::new(1000 + i, i)]);
+    }
+    p.flush().await;
+    let stats = p.stats();
+    assert_eq!((stats.acked, stats.unacked), (10, 0), "ten batches of ten events, each acknowledged");
+    let js = async_nats::jetstream::new(client.clone());
+    let mut stream = js.get_stream("T_EVENTS").await.expect("kvindex made the stream");
+    let held = stream.info().await.unwrap().state.messages;
+    // A batch sent again under the first batch's id (the stream de-duplicates by id alone).
+    let first = stream.get_last_raw_message_by_subject("t.events.7").await.expect("a message");
+    assert!(held >= 10);
+    let id = format!("7-1-{epoch}-0");
+    let again = js
+        .send_publish(
+            "t.events.7",
+            async_nats::jetstream::context::Publish::build().message_id(id.as_str()).payload(first.payload),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    assert!(again.duplicate, "the stream knew the id {id}");
+    assert_eq!(stream.info().await.unwrap().state.messages, held, "a duplicate is not stored");
+    let q = kvindex_client::lookup::Query::hashes(&[LocalHash(0)]);
+    let lookups = kvindex_client::lookup::LookupClient::new(client, "t");
+    let seen = support::eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches.len() == 1) }).await;
+    assert!(seen.is_some(), "kvindex applied the acknowledged batches");
+    p.close().await;
+    d.stop().await.unwrap();
+}

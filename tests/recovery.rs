@@ -144,27 +144,6 @@ async fn nats_restarted_while_publishers_keep_working() {
     assert!(d.metric("kvindex_nats_events_total{event=\"disconnected\"}").await >= 1.0);
 }
 
-/// A `nats-server` with JetStream, storing in a fresh directory (removed on drop).
-struct JetStreamNats {
-    nats: support::NatsProcess,
-    store: std::path::PathBuf,
-}
-
-impl JetStreamNats {
-    fn start() -> JetStreamNats {
-        let store = std::env::temp_dir().join(format!("kvindex-js-{}-{}", std::process::id(), support::free_port()));
-        let js_args = ["-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
-        let nats = support::NatsProcess::start_with(support::free_port(), &js_args, &[]).expect("nats-server with JetStream");
-        JetStreamNats { nats, store }
-    }
-}
-
-impl Drop for JetStreamNats {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.store);
-    }
-}
-
 /// Closes every publisher: nobody is left to answer a resync.
 async fn close_publishers(fleet: &mut Fleet) {
     for p in fleet.publishers.iter_mut() {
@@ -184,7 +163,7 @@ async fn wait_snapshots(d: &mut DaemonProcess, n: f64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_mode_restarts_from_a_snapshot_when_the_stream_kept_only_what_came_after() {
-    let js = JetStreamNats::start();
+    let js = support::JetStreamNats::start();
     let url = js.nats.url();
     // The stream keeps 3 s of events: a restart a few seconds on can be whole only from a
     // snapshot (written every second) and the stream after it.
@@ -229,7 +208,7 @@ async fn durable_mode_restarts_from_a_snapshot_when_the_stream_kept_only_what_ca
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_the_stream_moved_past_is_not_used_and_the_publishers_rebuild_the_rest() {
-    let js = JetStreamNats::start();
+    let js = support::JetStreamNats::start();
     let url = js.nats.url();
     let durable = [("RESYNC_INTERVAL", "1"), ("READY_SETTLE_MS", "200"), ("INGEST", "jetstream"), ("SNAPSHOT_INTERVAL", "1")];
     let mut d = DaemonProcess::start(&url, &[], &durable);
@@ -257,7 +236,7 @@ async fn a_snapshot_the_stream_moved_past_is_not_used_and_the_publishers_rebuild
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone() {
-    let js = JetStreamNats::start();
+    let js = support::JetStreamNats::start();
     let url = js.nats.url();
     // No settle time: with no publisher to wait for, only the replay may hold readiness back.
     let durable = [("RESYNC_INTERVAL", "1"), ("READY_SETTLE_MS", "0"), ("INGEST", "jetstream")];

@@ -63,6 +63,14 @@ pub struct E2eReport {
     pub rebuilt_blocks: u64,
     /// Blocks the engines held at the end (some unreachable: evicted parents).
     pub engine_blocks: u64,
+    /// Durable mode: the last snapshot of the first daemon (taken once every block was
+    /// applied): its write time (save, encode, store) and size; `rebuild_ms` is then the
+    /// restart from it plus the stream after it.
+    pub snapshot_write_ms: f64,
+    pub snapshot_bytes: u64,
+    /// Durable mode: a third daemon's restart with the snapshots deleted, from the stream alone.
+    pub replay_rebuild_ms: f64,
+    pub replay_rebuilt_blocks: u64,
 }
 
 /// Bucket series of the daemon's event lag and answer time histograms.
@@ -95,6 +103,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
             apply_threads: cfg.apply_threads,
             worker_ttl: 0,
             ingest: if cfg.jetstream { Ingest::Jetstream } else { Ingest::Core },
+            snapshot_interval: 1,
             ..Config::default()
         })
     };
@@ -227,6 +236,25 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         router_rt.spawn(async move { idle_round_trips(&url, &prefix, &queries, rate).await }).await??
     };
     router_rt.shutdown_background();
+    let (mut snapshot_write_ms, mut snapshot_bytes) = (0.0, 0);
+    if cfg.jetstream {
+        // A snapshot that holds every block: the next one written after the last was applied.
+        let ok = "kvindex_snapshot_writes_total{result=\"ok\"}";
+        let before = sample(&http_body(&metrics_addr, "/metrics").await, ok);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let text = loop {
+            let text = http_body(&metrics_addr, "/metrics").await;
+            if sample(&text, ok) > before {
+                break text;
+            }
+            if Instant::now() > deadline {
+                bail!("the daemon wrote no snapshot within a minute");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        snapshot_write_ms = sample(&text, "kvindex_snapshot_write_seconds") * 1e3;
+        snapshot_bytes = sample(&text, "kvindex_snapshot_bytes") as u64;
+    }
     daemon.stop().await?;
 
     // A new, empty daemon: how long until it has rebuilt the index from the publishers (in
@@ -242,6 +270,18 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
     let rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
     let rebuilt = http_body(&daemon.cfg.metrics_addr, "/metrics").await;
     daemon.stop().await?;
+    let (mut replay_rebuild_ms, mut replay_rebuilt_blocks) = (0.0, 0);
+    if cfg.jetstream {
+        // The same restart without snapshots: the whole stream is replayed.
+        let js = async_nats::jetstream::new(client.clone());
+        let bucket = format!("{}_SNAPSHOTS", daemon_cfg()?.stream_name());
+        js.delete_object_store(&bucket).await.map_err(|e| anyhow::anyhow!("deleting {bucket}: {e}"))?;
+        let restarted = Instant::now();
+        let daemon = Daemon::start(Config { snapshot_interval: 0, ..daemon_cfg()? }).await?;
+        replay_rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
+        replay_rebuilt_blocks = sample(&http_body(&daemon.cfg.metrics_addr, "/metrics").await, "kvindex_index_blocks") as u64;
+        daemon.stop().await?;
+    }
     if cfg.jetstream && cfg.nats_url.is_none() {
         drop(_nats);
         let _ = std::fs::remove_dir_all(&store);
@@ -265,6 +305,10 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         rebuild_ms,
         rebuilt_blocks: sample(&rebuilt, "kvindex_index_blocks") as u64,
         engine_blocks,
+        snapshot_write_ms,
+        snapshot_bytes,
+        replay_rebuild_ms,
+        replay_rebuilt_blocks,
     })
 }
 
@@ -288,6 +332,26 @@ async fn idle_round_trips(url: &str, prefix: &str, queries: &[Query], rate: f64)
         }
     }
     Ok(h)
+}
+
+/// Durable mode's restart figures, a line per report.
+pub fn durable_lines(rows: &[E2eReport]) -> String {
+    let mut s = String::new();
+    for r in rows {
+        let per = if r.rebuilt_blocks > 0 { r.snapshot_bytes as f64 / r.rebuilt_blocks as f64 } else { 0.0 };
+        s += &format!(
+            "durable: snapshot written in {:.0} ms, {:.2} MiB ({per:.1} B per placement); restart from snapshot + stream ready in {:.0} ms with {}/{} blocks, from the stream alone in {:.0} ms with {}/{}\n",
+            r.snapshot_write_ms,
+            r.snapshot_bytes as f64 / (1 << 20) as f64,
+            r.rebuild_ms,
+            r.rebuilt_blocks,
+            r.engine_blocks,
+            r.replay_rebuild_ms,
+            r.replay_rebuilt_blocks,
+            r.engine_blocks
+        );
+    }
+    s
 }
 
 /// The reports as an aligned table.

@@ -71,6 +71,27 @@ impl Daemon {
 
 pub use harness::{http_get, sample as metric_value};
 
+/// A `nats-server` with JetStream, storing in a fresh directory (removed on drop).
+pub struct JetStreamNats {
+    pub nats: NatsProcess,
+    store: std::path::PathBuf,
+}
+
+impl JetStreamNats {
+    pub fn start() -> JetStreamNats {
+        let store = std::env::temp_dir().join(format!("kvindex-js-{}-{}", std::process::id(), free_port()));
+        let js_args = ["-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
+        let nats = NatsProcess::start_with(free_port(), &js_args, &[]).expect("nats-server with JetStream");
+        JetStreamNats { nats, store }
+    }
+}
+
+impl Drop for JetStreamNats {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
 /// Retries `check` until it returns `Some` or `secs` pass.
 pub async fn eventually<T, F, Fut>(secs: u64, mut check: F) -> Option<T>
 where

@@ -67,6 +67,12 @@ pub struct PublisherConfig {
     pub heartbeat: Duration,
     /// Batches waiting for NATS; beyond this they are dropped (and later resynced).
     pub queue_capacity: usize,
+    /// Durable mode: publish through JetStream, each batch of events with the message id
+    /// `{worker}-{dp rank}-{epoch}-{first event id}` and waiting (pipelined) for the stream's
+    /// acknowledgement. A batch not acknowledged is sent once more under the same id, which
+    /// the stream's de-duplication window keeps from landing twice. Off: plain publishes,
+    /// which a stream captures all the same, without confirmation.
+    pub jetstream_acks: bool,
 }
 
 impl PublisherConfig {
@@ -82,6 +88,7 @@ impl PublisherConfig {
             linger: Duration::from_millis(2),
             heartbeat: Duration::from_secs(1),
             queue_capacity: 4096,
+            jetstream_acks: false,
         }
     }
 }
@@ -101,6 +108,10 @@ pub struct PublisherStats {
     pub dropped_batches: u64,
     /// Blocks left out of snapshots because their parent is not held (not reachable by any lookup).
     pub orphans_skipped: u64,
+    /// With `jetstream_acks`: batches the stream acknowledged...
+    pub acked: u64,
+    /// ...and batches it did not, even when sent again (kvindex sees the gap and resyncs).
+    pub unacked: u64,
 }
 
 #[derive(Default)]
@@ -111,6 +122,8 @@ struct Counters {
     snapshots: AtomicU64,
     dropped_batches: AtomicU64,
     orphans_skipped: AtomicU64,
+    acked: AtomicU64,
+    unacked: AtomicU64,
 }
 
 struct Block {
@@ -132,7 +145,8 @@ struct Inner {
 }
 
 enum Out {
-    Batch(Bytes),
+    /// A message, with its JetStream message id if it carries events.
+    Batch(Bytes, Option<String>),
     Flushed(oneshot::Sender<()>),
 }
 
@@ -191,7 +205,7 @@ impl Publisher {
             cfg,
         });
         let tasks = vec![
-            tokio::spawn(send_loop(client.clone(), subject, rx)),
+            tokio::spawn(send_loop(client.clone(), subject, rx, shared.clone())),
             tokio::spawn(control_loop(client, shared.clone(), worker_resync, all_resync)),
         ];
         Ok(Publisher { shared, tasks })
@@ -309,6 +323,8 @@ impl Publisher {
             snapshots: get(&c.snapshots),
             dropped_batches: get(&c.dropped_batches),
             orphans_skipped: get(&c.orphans_skipped),
+            acked: get(&c.acked),
+            unacked: get(&c.unacked),
         }
     }
 }
@@ -353,15 +369,19 @@ impl Shared {
         let mut msg = Vec::with_capacity(HEADER_BYTES + inner.pending.len());
         write_batch_header(&mut msg, &self.header(inner, snapshot, snapshot_end), inner.pending_events);
         msg.extend_from_slice(&inner.pending);
+        let first_id = inner.next_id - inner.pending_events as u64;
+        let c = &self.cfg;
+        let id = (c.jetstream_acks && inner.pending_events > 0)
+            .then(|| format!("{}-{}-{}-{first_id}", c.worker_id, c.dp_rank, c.epoch));
         inner.pending.clear();
         inner.pending_events = 0;
         inner.pending_since = None;
-        self.send(inner, msg.into());
+        self.send(inner, msg.into(), id);
     }
 
-    fn send(&self, inner: &mut Inner, msg: Bytes) {
+    fn send(&self, inner: &mut Inner, msg: Bytes, id: Option<String>) {
         inner.last_sent = Instant::now();
-        match self.out.try_send(Out::Batch(msg)) {
+        match self.out.try_send(Out::Batch(msg, id)) {
             Ok(()) => {
                 self.counters.batches.fetch_add(1, Ordering::Relaxed);
                 if inner.dropping {
@@ -397,7 +417,7 @@ impl Shared {
         let mut msg = Vec::with_capacity(HEADER_BYTES);
         write_batch_header(&mut msg, &self.header(inner, false, false), 0);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
-        self.send(inner, msg.into());
+        self.send(inner, msg.into(), None);
     }
 
     /// Sends the whole block set as snapshot batches: `cleared`, then chains, parents before
@@ -492,20 +512,68 @@ impl Shared {
     }
 }
 
-/// Hands batches to NATS in order.
-async fn send_loop(client: Client, subject: Subject, mut rx: mpsc::Receiver<Out>) {
+/// Acknowledgements a JetStream publisher waits for at once (the pipeline's depth).
+const ACKS_IN_FLIGHT: usize = 256;
+
+/// Hands batches to NATS in order (with `jetstream_acks`, through JetStream: see there).
+async fn send_loop(client: Client, subject: Subject, mut rx: mpsc::Receiver<Out>, shared: Arc<Shared>) {
+    let js = shared.cfg.jetstream_acks.then(|| async_nats::jetstream::new(client.clone()));
+    let mut acks = std::collections::VecDeque::new();
     while let Some(out) = rx.recv().await {
-        match out {
-            Out::Batch(msg) => {
+        match (out, &js) {
+            (Out::Batch(msg, Some(id)), Some(js)) => {
+                if acks.len() >= ACKS_IN_FLIGHT {
+                    if let Some(pending) = acks.pop_front() {
+                        settle(js, &subject, pending, &shared).await;
+                    }
+                }
+                let ack = js.send_publish(subject.clone(), publish(&msg, &id)).await;
+                acks.push_back((msg, id, ack));
+            }
+            (Out::Batch(msg, _), _) => {
                 if let Err(e) = client.publish(subject.clone(), msg).await {
                     tracing::warn!(%subject, "could not publish a batch: {e}");
                 }
             }
-            Out::Flushed(done) => {
+            (Out::Flushed(done), _) => {
+                if let Some(js) = &js {
+                    while let Some(pending) = acks.pop_front() {
+                        settle(js, &subject, pending, &shared).await;
+                    }
+                }
                 let _ = client.flush().await;
                 let _ = done.send(());
             }
         }
+    }
+}
+
+/// A JetStream publish of `msg` under the message id `id`.
+fn publish(msg: &Bytes, id: &str) -> async_nats::jetstream::context::Publish {
+    async_nats::jetstream::context::Publish::build().message_id(id).payload(msg.clone())
+}
+
+/// A batch sent through JetStream and its acknowledgement, awaited later.
+type PendingAck =
+    (Bytes, String, Result<async_nats::jetstream::context::PublishAckFuture, async_nats::jetstream::context::PublishError>);
+
+/// Waits for a batch's acknowledgement; without one, sends it once more under the same id.
+async fn settle(js: &async_nats::jetstream::Context, subject: &Subject, (msg, id, ack): PendingAck, shared: &Shared) {
+    let acked = match ack {
+        Ok(ack) => ack.await.is_ok(),
+        Err(_) => false,
+    };
+    let acked = acked
+        || match js.send_publish(subject.clone(), publish(&msg, &id)).await {
+            Ok(ack) => ack.await.is_ok(),
+            Err(_) => false,
+        };
+    let c = &shared.counters;
+    if acked {
+        c.acked.fetch_add(1, Ordering::Relaxed);
+    } else {
+        c.unacked.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(%subject, id, "the stream did not acknowledge a batch, sent twice; kvindex will resync the gap");
     }
 }
 
