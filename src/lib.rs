@@ -6,7 +6,8 @@
 //! # Layout
 //!
 //! - [`service`]: `kvindex serve`: start-up and shutdown, NATS ingest (batches, sequence
-//!   tracking), lookups, recovery (resync, readiness, TTL, reconnects), HTTP.
+//!   tracking), lookups, recovery (resync, readiness, TTL, reconnects), JetStream snapshots,
+//!   HTTP.
 //! - [`apply`]: the apply pool: one thread owns each worker's writes, queues are bounded.
 //! - [`config`]: layered configuration (defaults, file, `KVINDEX_*` environment, flags).
 //! - [`metrics`]: the Prometheus metrics.
