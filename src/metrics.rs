@@ -43,6 +43,7 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub index_hidden: IntGauge,
     pub stream_pending: IntGauge,
+    pub stream_consumer_restarts: IntCounter,
     pub snapshot_writes: IntCounterVec,
     pub snapshot_lease: IntGauge,
     pub snapshot_age: Gauge,
@@ -252,6 +253,11 @@ impl Metrics {
                 &r,
                 "kvindex_stream_pending",
                 "JetStream ingest: messages of the stream not yet delivered to this replica (0 in core mode).",
+            ),
+            stream_consumer_restarts: counter(
+                &r,
+                "kvindex_stream_consumer_restarts_total",
+                "JetStream mode: stream consumers replaced after stalling behind the stream (their server died).",
             ),
             snapshot_writes: counter_vec(
                 &r,

@@ -11,7 +11,7 @@ use kvindex_client::publisher::{Publisher, PublisherConfig};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::engine::{all_queries, first_difference, ModelEngine};
+use support::engine::{all_queries, ask, first_difference, ModelEngine};
 use support::process::DaemonProcess;
 use support::NatsServer;
 
@@ -34,11 +34,17 @@ struct Fleet {
     publishers: Vec<Option<Publisher>>,
     url: String,
     prefix: String,
+    /// The publishers wait for JetStream's acknowledgements (durable mode).
+    acks: bool,
 }
 
 impl Fleet {
     async fn start(url: &str, prefix: &str, workers: u64, seed: u64) -> Fleet {
-        let mut f = Fleet { engines: Vec::new(), publishers: Vec::new(), url: url.into(), prefix: prefix.into() };
+        Self::start_with(url, prefix, workers, seed, false).await
+    }
+
+    async fn start_with(url: &str, prefix: &str, workers: u64, seed: u64, acks: bool) -> Fleet {
+        let mut f = Fleet { engines: Vec::new(), publishers: Vec::new(), url: url.into(), prefix: prefix.into(), acks };
         for w in 1..=workers {
             f.engines.push(ModelEngine::new(w, seed, 60));
             f.publishers.push(Some(f.publisher(w).await));
@@ -47,7 +53,11 @@ impl Fleet {
     }
 
     async fn publisher(&self, worker: u64) -> Publisher {
-        let cfg = PublisherConfig { heartbeat: Duration::from_millis(200), ..PublisherConfig::new(&self.prefix, worker, 0) };
+        let cfg = PublisherConfig {
+            heartbeat: Duration::from_millis(200),
+            jetstream_acks: self.acks,
+            ..PublisherConfig::new(&self.prefix, worker, 0)
+        };
         Publisher::start(connect(&self.url).await, cfg).await.expect("publisher starts")
     }
 
@@ -490,4 +500,203 @@ async fn a_burst_past_the_subscription_capacity_is_detected_and_healed() {
     assert!(d.metric("kvindex_resync_requests_total{scope=\"all\"}").await >= 2.0, "a broadcast after the loss");
     converge(&router, &fleet, &mut d, "slow consumer").await;
     assert!(d.log_text().contains("slow consumer"), "the loss is logged");
+}
+
+/// A member of a three-node JetStream cluster: clients on `ports[i]`, routes on `routes[i]`
+/// to the two others, its store in `dir`.
+fn js_cluster_node(i: usize, ports: &[u16], routes: &[u16], dir: &std::path::Path) -> support::NatsProcess {
+    let store = dir.join(format!("n{i}"));
+    let listen = format!("nats://127.0.0.1:{}", routes[i]);
+    let peers: Vec<String> = (0..3).filter(|&j| j != i).map(|j| format!("nats://127.0.0.1:{}", routes[j])).collect();
+    let peers = peers.join(",");
+    let name = format!("n{i}");
+    let args = [
+        "-js",
+        "-sd",
+        store.to_str().expect("UTF-8 temp dir"),
+        "--server_name",
+        &name,
+        "--cluster_name",
+        "kvjs",
+        "--cluster",
+        &listen,
+        "--routes",
+        &peers,
+    ];
+    support::NatsProcess::start_with(ports[i], &args, &[]).expect("cluster node starts")
+}
+
+/// Every lookup of up to 5 blocks, once: how many were answered, and the first answer that is
+/// wrong (a match deeper than the truth, or of a worker holding nothing of it, not flagged stale).
+async fn answers_never_wrong(router: &Client, engines: &[ModelEngine]) -> (usize, usize, Option<String>) {
+    let queries = all_queries(5);
+    let mut answered = 0;
+    for q in &queries {
+        let Some(got) = ask(router, "t.lookup", q).await else { continue };
+        answered += 1;
+        for m in got {
+            let truth = engines.iter().find(|e| e.worker_id == m.worker_id).map_or(0, |e| e.prefix_len(q));
+            if m.blocks > truth && !m.stale {
+                return (
+                    answered,
+                    queries.len(),
+                    Some(format!("lookup {q:?}: worker {} at {} blocks, truth {truth}", m.worker_id, m.blocks)),
+                );
+            }
+        }
+    }
+    (answered, queries.len(), None)
+}
+
+/// Waits until every running replica has read the whole stream, applied all of it (no apply
+/// queue holds anything, twice 100 ms apart) and holds `blocks` blocks. It first waits out
+/// what a replica takes to see that its stream consumer died with a NATS node (the lag is
+/// read every second; two seconds without progress replace the consumer): until then its
+/// `kvindex_stream_pending` may still say 0.
+async fn caught_up(replicas: &mut [Option<DaemonProcess>], blocks: usize, what: &str) {
+    tokio::time::sleep(Duration::from_millis(3500)).await;
+    for d in replicas.iter_mut().flatten() {
+        // A replica out of the queue group answers nothing: it need not have caught up.
+        if support::http_get(&d.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
+            eprintln!("{what}: a replica is not ready (out of the lookup queue group)");
+            continue;
+        }
+        let addr = d.metrics_addr.clone();
+        let idle = || async {
+            let text = support::http_get(&addr, "/metrics").await.map(|r| r.1).unwrap_or_default();
+            let queued: f64 = text
+                .lines()
+                .filter(|l| l.starts_with("kvindex_apply_queue_depth{"))
+                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+                .sum();
+            support::metric_value(&text, "kvindex_stream_pending") == 0.0
+                && queued == 0.0
+                && support::metric_value(&text, "kvindex_index_blocks") == blocks as f64
+        };
+        let done = support::eventually(CONVERGE_S, || async {
+            if !idle().await {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            idle().await.then_some(())
+        })
+        .await;
+        assert!(done.is_some(), "{what}: a replica did not catch up; log:\n{}", d.log_text());
+    }
+}
+
+/// Issue 12's fault test: a three-node NATS cluster with JetStream (the stream in 3 copies),
+/// three kvindex replicas in durable mode, model engines and a router. One NATS node is killed
+/// and restarted, then one replica; then every replica is killed with the publishers gone and
+/// one is restarted. No lookup may be wrong (deeper than the truth, unflagged) at any point;
+/// the share answered during each fault and the times to ready are printed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
+    let mut ports = Vec::new();
+    while ports.len() < 6 {
+        let p = support::free_port();
+        if !ports.contains(&p) {
+            ports.push(p);
+        }
+    }
+    let (client_ports, route_ports) = ports.split_at(3);
+    let dir = std::env::temp_dir().join(format!("kvindex-jsc-{}-{}", std::process::id(), ports[0]));
+    let mut nodes: Vec<Option<support::NatsProcess>> =
+        (0..3).map(|i| Some(js_cluster_node(i, client_ports, route_ports, &dir))).collect();
+    let url = client_ports.iter().map(|p| format!("nats://127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+    // The stream in three copies, once the cluster has elected its JetStream leader.
+    let admin = connect(&url).await;
+    let js = async_nats::jetstream::new(admin.clone());
+    let made = support::eventually(60, || async {
+        let cfg = async_nats::jetstream::stream::Config {
+            name: "T_EVENTS".into(),
+            subjects: vec!["t.events.>".into()],
+            max_age: Duration::from_secs(3600),
+            max_bytes: 1 << 30,
+            storage: async_nats::jetstream::stream::StorageType::File,
+            num_replicas: 3,
+            ..Default::default()
+        };
+        js.get_or_create_stream(cfg).await.ok().map(|_| ())
+    })
+    .await;
+    assert!(made.is_some(), "the JetStream cluster did not form");
+    let env = [
+        ("RESYNC_INTERVAL", "1"),
+        ("READY_SETTLE_MS", "200"),
+        ("INGEST", "jetstream"),
+        ("STREAM_REPLICAS", "3"),
+        ("SNAPSHOT_INTERVAL", "1"),
+    ];
+    let mut replicas: Vec<Option<DaemonProcess>> = (0..3).map(|_| Some(DaemonProcess::start(&url, &[], &env))).collect();
+    for d in replicas.iter().flatten() {
+        d.wait_ready(30).await;
+    }
+    // Publishers confirm every batch with the stream: one lost with a dying node is sent again.
+    let mut fleet = Fleet::start_with(&url, "t", 4, 21, true).await;
+    let router = connect(&url).await;
+    let held = |f: &Fleet| f.engines.iter().map(|e| e.len()).sum::<usize>();
+    fleet.run(200, Duration::from_millis(2)).await;
+    caught_up(&mut replicas, held(&fleet), "baseline").await;
+    let (_, _, wrong) = answers_never_wrong(&router, &fleet.engines).await;
+    assert!(wrong.is_none(), "baseline: {wrong:?}");
+
+    // 1. A NATS node dies under events; the two others keep the stream's quorum.
+    nodes[0] = None;
+    fleet.run(100, Duration::from_millis(5)).await;
+    caught_up(&mut replicas, held(&fleet), "a NATS node down").await;
+    let (answered, asked, wrong) = answers_never_wrong(&router, &fleet.engines).await;
+    if wrong.is_some() {
+        for d in replicas.iter().flatten() {
+            eprintln!("=== replica {}\n{}", d.metrics_addr, d.log_text());
+        }
+    }
+    assert!(wrong.is_none(), "a NATS node down: {wrong:?}");
+    let mut restarts = 0.0;
+    for d in replicas.iter().flatten() {
+        restarts += d.metric("kvindex_stream_consumer_restarts_total").await;
+    }
+    eprintln!("NATS node killed: {answered}/{asked} lookups answered; {restarts} stalled consumers replaced");
+    nodes[0] = Some(js_cluster_node(0, client_ports, route_ports, &dir));
+    fleet.run(100, Duration::from_millis(5)).await;
+    caught_up(&mut replicas, held(&fleet), "the NATS node back").await;
+
+    // 2. A replica dies; lookups go to the two others; it comes back from snapshot and stream.
+    if let Some(d) = replicas[1].as_mut() {
+        d.kill9();
+    }
+    let down = replicas[1].take();
+    fleet.run(100, Duration::from_millis(5)).await;
+    caught_up(&mut replicas, held(&fleet), "a replica down").await;
+    let (answered, asked, wrong) = answers_never_wrong(&router, &fleet.engines).await;
+    assert!(wrong.is_none(), "a replica down: {wrong:?}");
+    eprintln!("replica killed: {answered}/{asked} lookups answered");
+    let mut d = down.expect("the replica");
+    d.restart();
+    let ready = d.wait_ready(30).await;
+    eprintln!("replica restarted: ready in {} ms", ready.as_millis());
+    replicas[1] = Some(d);
+    caught_up(&mut replicas, held(&fleet), "the replica back").await;
+    converge(&router, &fleet, replicas[1].as_mut().expect("replica"), "replica back").await;
+
+    // 3. The engines' publishers go, then every replica; one comes back, whole.
+    let engines = fleet.engines.clone();
+    close_publishers(&mut fleet).await;
+    // A snapshot after the last events (the lease holder writes one a second while the
+    // stream moves; the closes moved it), though any older one with the stream after it
+    // would do as well.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for d in replicas.iter_mut().flatten() {
+        d.kill9();
+    }
+    let mut d = replicas[2].take().expect("replica");
+    d.restart();
+    let ready = d.wait_ready(30).await;
+    eprintln!("every replica killed, one restarted: ready in {} ms", ready.as_millis());
+    assert_eq!(d.metric("kvindex_index_blocks").await, engines.iter().map(|e| e.len()).sum::<usize>() as f64);
+    let diff = first_difference(&router, "t.lookup", &engines, &all_queries(5)).await;
+    assert!(diff.is_none(), "not whole after the restart: {diff:?}\nlog:\n{}", d.log_text());
+    assert!(d.metric("kvindex_snapshot_restore_seconds").await > 0.0, "restored from a snapshot");
+    drop(nodes);
+    let _ = std::fs::remove_dir_all(&dir);
 }

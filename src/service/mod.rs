@@ -259,9 +259,12 @@ struct Incoming {
     seq: Option<u64>,
 }
 
+/// Where the events come from.
+type EventStream = std::pin::Pin<Box<dyn futures::Stream<Item = Incoming> + Send>>;
+
 /// The events, and whether the index was restored from a snapshot (no broadcast resync is
 /// needed then).
-type Events = (std::pin::Pin<Box<dyn futures::Stream<Item = Incoming> + Send>>, bool);
+type Events = (EventStream, bool);
 
 /// Where events come from: a core subscription, or an ordered consumer of the JetStream
 /// stream (created if missing) from the message after the newest snapshot, which is restored
@@ -298,16 +301,29 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
         deliver_policy = consumer::DeliverPolicy::ByStartSequence { start_sequence: seq + 1 };
         restored = true;
     }
-    let ordered = kept
-        .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
-        .await
-        .map_err(|e| anyhow::anyhow!("creating a consumer of stream {name}: {e}"))?;
-    let messages = ordered.messages().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?;
+    let messages = ordered_from(&js, state, deliver_policy).await?;
     tracing::info!(stream = %name, messages = held, "reading events from JetStream; replaying what the stream keeps");
     state.metrics.stream_pending.set(held as i64);
     if held == 0 {
         state.replayed.store(true, Ordering::Relaxed);
     }
+    Ok((messages, restored))
+}
+
+/// The stream's messages through a new ordered consumer delivering from `deliver_policy`.
+async fn ordered_from(
+    js: &async_nats::jetstream::Context,
+    state: &Arc<State>,
+    deliver_policy: async_nats::jetstream::consumer::DeliverPolicy,
+) -> anyhow::Result<EventStream> {
+    use async_nats::jetstream::consumer;
+    let name = state.cfg.stream_name();
+    let stream = js.get_stream(&name).await.map_err(|e| anyhow::anyhow!("binding stream {name}: {e}"))?;
+    let ordered = stream
+        .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
+        .await
+        .map_err(|e| anyhow::anyhow!("creating a consumer of stream {name}: {e}"))?;
+    let messages = ordered.messages().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?;
     let state = state.clone();
     let messages = messages.filter_map(move |m| {
         let state = state.clone();
@@ -329,7 +345,7 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
             }
         }
     });
-    Ok((Box::pin(messages), restored))
+    Ok(Box::pin(messages))
 }
 
 /// JetStream: the replay is done once the stream has nothing more pending for this replica
@@ -345,6 +361,51 @@ fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pen
         state.replayed.store(true, Ordering::Relaxed);
         tracing::info!("replayed the JetStream stream");
     });
+}
+
+/// JetStream: every second, the true lag (the stream's last sequence against the last one
+/// ingested), so `kvindex_stream_pending` does not freeze when deliveries stop. A consumer
+/// that stays behind without progress for two seconds (its server died; the client
+/// recreates it after missed heartbeats) takes the replica out of the lookup queue group
+/// and has the ingest loop read through a new consumer from the message after the last one
+/// ingested, until it has caught up again: a replica that cannot follow must not answer.
+async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reopen: mpsc::Sender<()>) {
+    let name = state.cfg.stream_name();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let (mut prev, mut still) = (state.stream_seq.load(Ordering::Relaxed), 0);
+    loop {
+        tick.tick().await;
+        let info = async {
+            match js.get_stream(&name).await {
+                Ok(mut stream) => stream.info().await.map(|i| i.state.last_sequence).map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            }
+        };
+        // After a reconnect, JetStream requests have been seen to hang past their own timeout:
+        // a watch that cannot read the stream counts as no progress.
+        let seen = state.stream_seq.load(Ordering::Relaxed);
+        match tokio::time::timeout(Duration::from_secs(10), info).await {
+            Ok(Ok(last)) => {
+                state.metrics.stream_pending.set(last.saturating_sub(seen) as i64);
+                still = if last > seen && seen == prev { still + 1 } else { 0 };
+            }
+            Ok(Err(e)) => state.log.warn("stream_info", || format!("reading the stream's state: {e}")),
+            Err(_) => {
+                state.log.warn("stream_info", || "reading the stream's state timed out".into());
+                still += 1;
+            }
+        }
+        prev = seen;
+        if still >= 2 {
+            if state.replayed.load(Ordering::Relaxed) {
+                tracing::warn!("the stream's consumer is stalled; out of the lookup queue group until a new one catches up");
+                state.replay_flushing.store(false, Ordering::Relaxed);
+                state.replayed.store(false, Ordering::Relaxed);
+            }
+            let _ = reopen.try_send(());
+            still = 0;
+        }
+    }
 }
 
 /// Serves with indexes made by `make`: the device index, and one for each other tier.
@@ -438,8 +499,14 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         recovery::broadcast_resync(&client, &state).await;
     }
     let (cut_tx, mut cut_rx) = mpsc::channel::<snapshot::CutRequest>(1);
-    let snapshots = (cfg.ingest == Ingest::Jetstream)
-        .then(|| tokio::spawn(snapshot::snapshot_loop(async_nats::jetstream::new(client.clone()), state.clone(), cut_tx)));
+    let js = async_nats::jetstream::new(client.clone());
+    let (reopen_tx, mut reopen_rx) = mpsc::channel::<()>(1);
+    let durable = (cfg.ingest == Ingest::Jetstream).then(|| {
+        [
+            tokio::spawn(snapshot::snapshot_loop(js.clone(), state.clone(), cut_tx)),
+            tokio::spawn(stream_watch(js.clone(), state.clone(), reopen_tx)),
+        ]
+    });
 
     let background = [
         tokio::spawn(recovery::nats_events(client.clone(), state.clone(), nats_rx)),
@@ -480,6 +547,19 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
                 }
                 None => break,
             },
+            Some(()) = reopen_rx.recv() => {
+                let from = state.stream_seq.load(Ordering::Relaxed) + 1;
+                let policy = async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: from };
+                let reopened = tokio::time::timeout(Duration::from_secs(5), ordered_from(&js, &state, policy)).await;
+                match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
+                    Ok(fresh) => {
+                        events = fresh;
+                        metrics.stream_consumer_restarts.inc();
+                        tracing::info!(from, "reading the stream through a new consumer");
+                    }
+                    Err(e) => state.log.warn("stream_error", || format!("replacing the stalled consumer: {e:#}")),
+                }
+            }
             Some(reply) = cut_rx.recv() => {
                 let _ = reply.send(snapshot::cut(&state, &pool, state.stream_seq.load(Ordering::Relaxed)));
             }
@@ -513,7 +593,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             "shutdown grace period over (NATS unreachable or apply queues long); exiting anyway"
         );
     }
-    for task in background.into_iter().chain(snapshots) {
+    for task in background.into_iter().chain(durable.into_iter().flatten()) {
         task.abort();
     }
     if let Some(e) = failure {

@@ -69,9 +69,10 @@ pub struct PublisherConfig {
     pub queue_capacity: usize,
     /// Durable mode: publish through JetStream, each batch of events with the message id
     /// `{worker}-{dp rank}-{epoch}-{first event id}` and waiting (pipelined) for the stream's
-    /// acknowledgement. A batch not acknowledged is sent once more under the same id, which
-    /// the stream's de-duplication window keeps from landing twice. Off: plain publishes,
-    /// which a stream captures all the same, without confirmation.
+    /// acknowledgement. A batch not acknowledged is sent again, with those after it, in order,
+    /// until acknowledged (for up to 30 s), under the same ids, which the stream's
+    /// de-duplication window keeps from landing twice. Off: plain publishes, which a stream
+    /// captures all the same, without confirmation.
     pub jetstream_acks: bool,
 }
 
@@ -110,7 +111,7 @@ pub struct PublisherStats {
     pub orphans_skipped: u64,
     /// With `jetstream_acks`: batches the stream acknowledged...
     pub acked: u64,
-    /// ...and batches it did not, even when sent again (kvindex sees the gap and resyncs).
+    /// ...and batches it did not, though sent again for 30 s (kvindex sees the gap and resyncs).
     pub unacked: u64,
 }
 
@@ -515,6 +516,9 @@ impl Shared {
 /// Acknowledgements a JetStream publisher waits for at once (the pipeline's depth).
 const ACKS_IN_FLIGHT: usize = 256;
 
+/// How long a batch the stream did not acknowledge is sent again before it counts as lost.
+const RESEND_FOR: Duration = Duration::from_secs(30);
+
 /// Hands batches to NATS in order (with `jetstream_acks`, through JetStream: see there).
 async fn send_loop(client: Client, subject: Subject, mut rx: mpsc::Receiver<Out>, shared: Arc<Shared>) {
     let js = shared.cfg.jetstream_acks.then(|| async_nats::jetstream::new(client.clone()));
@@ -523,9 +527,7 @@ async fn send_loop(client: Client, subject: Subject, mut rx: mpsc::Receiver<Out>
         match (out, &js) {
             (Out::Batch(msg, Some(id)), Some(js)) => {
                 if acks.len() >= ACKS_IN_FLIGHT {
-                    if let Some(pending) = acks.pop_front() {
-                        settle(js, &subject, pending, &shared).await;
-                    }
+                    settle(js, &subject, &mut acks, &shared).await;
                 }
                 let ack = js.send_publish(subject.clone(), publish(&msg, &id)).await;
                 acks.push_back((msg, id, ack));
@@ -537,8 +539,8 @@ async fn send_loop(client: Client, subject: Subject, mut rx: mpsc::Receiver<Out>
             }
             (Out::Flushed(done), _) => {
                 if let Some(js) = &js {
-                    while let Some(pending) = acks.pop_front() {
-                        settle(js, &subject, pending, &shared).await;
+                    while !acks.is_empty() {
+                        settle(js, &subject, &mut acks, &shared).await;
                     }
                 }
                 let _ = client.flush().await;
@@ -557,23 +559,50 @@ fn publish(msg: &Bytes, id: &str) -> async_nats::jetstream::context::Publish {
 type PendingAck =
     (Bytes, String, Result<async_nats::jetstream::context::PublishAckFuture, async_nats::jetstream::context::PublishError>);
 
-/// Waits for a batch's acknowledgement; without one, sends it once more under the same id.
-async fn settle(js: &async_nats::jetstream::Context, subject: &Subject, (msg, id, ack): PendingAck, shared: &Shared) {
+/// Waits for the oldest batch's acknowledgement. Without one (a stream leader election, a
+/// dying server), that batch and every one sent after it go again, in order, one at a time,
+/// each until acknowledged or `RESEND_FOR` passes: the stream then holds every batch in order
+/// (the ids keep copies that did land from landing twice), so a fault costs kvindex a delay,
+/// not a gap and a resync.
+async fn settle(
+    js: &async_nats::jetstream::Context,
+    subject: &Subject,
+    acks: &mut std::collections::VecDeque<PendingAck>,
+    shared: &Shared,
+) {
+    let Some((msg, id, ack)) = acks.pop_front() else { return };
     let acked = match ack {
         Ok(ack) => ack.await.is_ok(),
         Err(_) => false,
     };
-    let acked = acked
-        || match js.send_publish(subject.clone(), publish(&msg, &id)).await {
-            Ok(ack) => ack.await.is_ok(),
-            Err(_) => false,
-        };
-    let c = &shared.counters;
     if acked {
-        c.acked.fetch_add(1, Ordering::Relaxed);
-    } else {
-        c.unacked.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(%subject, id, "the stream did not acknowledge a batch, sent twice; kvindex will resync the gap");
+        shared.counters.acked.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let again: Vec<(Bytes, String)> = std::iter::once((msg, id)).chain(acks.drain(..).map(|(m, i, _)| (m, i))).collect();
+    for (msg, id) in again {
+        resend(js, subject, &msg, &id, shared).await;
+    }
+}
+
+/// Sends one batch until the stream acknowledges it, with a doubling pause, for `RESEND_FOR`.
+async fn resend(js: &async_nats::jetstream::Context, subject: &Subject, msg: &Bytes, id: &str, shared: &Shared) {
+    let deadline = Instant::now() + RESEND_FOR;
+    let mut pause = Duration::from_millis(50);
+    loop {
+        if let Ok(ack) = js.send_publish(subject.clone(), publish(msg, id)).await {
+            if ack.await.is_ok() {
+                shared.counters.acked.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+        }
+        if Instant::now() > deadline {
+            shared.counters.unacked.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%subject, id, "the stream did not acknowledge a batch for 30 s; kvindex will resync the gap");
+            return;
+        }
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_secs(1));
     }
 }
 
