@@ -275,7 +275,8 @@ async fn a_real_prometheus_evaluates_every_panel_with_data() {
             }
         }
     }
-    assert_eq!(evaluated, 10, "every alert rule is loaded");
+    let written = read("config/prometheus/alerts.yml").matches("- alert:").count();
+    assert_eq!(evaluated, written, "every alert rule is loaded");
     load.abort();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     daemon.stop().await.unwrap();
