@@ -163,6 +163,21 @@ async fn close_publishers(fleet: &mut Fleet) {
     }
 }
 
+/// Every publisher goes, then the daemon (`kill -9`): nobody is left to answer a resync. The
+/// restarted daemon must be whole the moment it is ready: every block in, every lookup right.
+async fn restart_alone(fleet: &mut Fleet, d: &mut DaemonProcess, router: &Client, what: &str) {
+    let engines = fleet.engines.clone();
+    close_publishers(fleet).await;
+    d.kill9();
+    d.restart();
+    let ready = d.wait_ready(15).await;
+    let held: usize = engines.iter().map(|e| e.len()).sum();
+    assert_eq!(d.metric("kvindex_index_blocks").await, held as f64, "{what}: ready before everything was applied");
+    eprintln!("{what}: ready {} ms after the process started", ready.as_millis());
+    let diff = first_difference(router, "t.lookup", &engines, &all_queries(5)).await;
+    assert!(diff.is_none(), "{what}: ready but not whole: {diff:?}\nlog:\n{}", d.log_text());
+}
+
 /// Polls until the daemon has written `n` snapshots.
 async fn wait_snapshots(d: &mut DaemonProcess, n: f64) {
     let written =
@@ -201,16 +216,7 @@ async fn durable_mode_restarts_from_a_snapshot_when_the_stream_kept_only_what_ca
     assert!(d.metric("kvindex_snapshot_bytes").await > 0.0);
     assert_eq!(d.metric("kvindex_snapshot_lease").await, 1.0, "the only replica holds the lease");
 
-    let engines = fleet.engines.clone();
-    close_publishers(&mut fleet).await;
-    d.kill9();
-    d.restart();
-    let ready = d.wait_ready(15).await;
-    let held: usize = engines.iter().map(|e| e.len()).sum();
-    assert_eq!(d.metric("kvindex_index_blocks").await, held as f64, "ready before snapshot and stream were applied");
-    eprintln!("snapshot restart: ready {} ms after the process started", ready.as_millis());
-    let diff = first_difference(&router, "t.lookup", &engines, &all_queries(5)).await;
-    assert!(diff.is_none(), "ready but not whole from snapshot and stream: {diff:?}\nlog:\n{}", d.log_text());
+    restart_alone(&mut fleet, &mut d, &router, "snapshot restart").await;
     assert!(d.metric("kvindex_snapshot_restore_seconds").await > 0.0, "restored from the snapshot");
     assert_eq!(d.metric("kvindex_resync_requests_total{scope=\"all\"}").await, 0.0, "no broadcast when restored");
     assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
@@ -257,18 +263,7 @@ async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone()
     fleet.run(4000, Duration::from_micros(100)).await;
     converge(&router, &fleet, &mut d, "durable, baseline").await;
 
-    // Every publisher goes, then the daemon: nobody is left to answer a resync.
-    let engines = fleet.engines.clone();
-    close_publishers(&mut fleet).await;
-    d.kill9();
-    d.restart();
-    let ready = d.wait_ready(15).await;
-    // Ready means replayed and applied: every block is in at once.
-    let held: usize = engines.iter().map(|e| e.len()).sum();
-    assert_eq!(d.metric("kvindex_index_blocks").await, held as f64, "ready before the replay was applied");
-    eprintln!("durable restart: ready {} ms after the process started", ready.as_millis());
-    let diff = first_difference(&router, "t.lookup", &engines, &all_queries(5)).await;
-    assert!(diff.is_none(), "ready but not whole from the stream: {diff:?}\nlog:\n{}", d.log_text());
+    restart_alone(&mut fleet, &mut d, &router, "durable restart").await;
     assert_eq!(d.metric("kvindex_snapshots_total{result=\"complete\"}").await, 0.0, "no publisher was there to help");
     assert_eq!(d.metric("kvindex_stream_pending").await, 0.0);
 }
