@@ -18,8 +18,9 @@ fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> St
             m.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
         }
     }
-    if let Some(written) = *state.snapshot_written.lock() {
-        m.snapshot_age.set(written.elapsed().as_secs_f64());
+    let written = state.snapshot_written.load(Ordering::Relaxed);
+    if written > 0 {
+        m.snapshot_age.set(super::now_ns().saturating_sub(written) as f64 / 1e9);
     }
     for (t, depth) in pool.queue_depths().into_iter().enumerate() {
         m.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);

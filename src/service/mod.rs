@@ -84,8 +84,9 @@ struct State {
     /// JetStream: the last stream message ingested (or the restored snapshot's), which the
     /// snapshot task reads to see how many came since its last snapshot.
     stream_seq: AtomicU64,
-    /// When the newest snapshot this replica wrote or loaded was written (its age metric).
-    snapshot_written: Mutex<Option<Instant>>,
+    /// When the newest snapshot this replica wrote or loaded was written, in ns since the Unix
+    /// epoch (0: none), for its age metric; wall-clock, since a loaded one may predate boot.
+    snapshot_written: AtomicU64,
     /// Bumped whenever a worker is marked stale, so that a stale flag cleared after its
     /// snapshot is applied is not one set again meanwhile.
     stale_generation: AtomicU64,
@@ -429,7 +430,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         replayed: AtomicBool::new(cfg.ingest == Ingest::Core),
         replay_flushing: AtomicBool::new(false),
         stream_seq: AtomicU64::new(0),
-        snapshot_written: Mutex::new(None),
+        snapshot_written: AtomicU64::new(0),
         events_prefix: events_prefix(&cfg),
         cfg: cfg.clone(),
     });

@@ -166,7 +166,7 @@ pub(super) async fn restore<I: KvIndex>(
     began: Instant,
 ) {
     let (mut workers, mut blocks) = (0u64, 0usize);
-    let age = super::now_ns().saturating_sub(snap.written_ns) as f64 / 1e9;
+    let written_ns = snap.written_ns;
     for w in snap.workers {
         let id = w.saved.worker;
         if !super::ingest::resume(state, id, w.epoch, w.next_id) {
@@ -185,7 +185,7 @@ pub(super) async fn restore<I: KvIndex>(
     let m = &state.metrics;
     m.snapshot_restore_seconds.set(took);
     m.snapshot_bytes.set(bytes as i64);
-    *state.snapshot_written.lock() = Some(Instant::now() - Duration::from_secs_f64(age.max(0.0)));
+    state.snapshot_written.store(written_ns, Ordering::Relaxed);
     tracing::info!(
         stream_seq = snap.stream_seq,
         workers,
@@ -320,7 +320,7 @@ async fn write(js: &jetstream::Context, state: &Arc<State>, cuts: &mpsc::Sender<
     m.snapshot_writes.with_label_values(&["ok"]).inc();
     m.snapshot_write_seconds.set(took);
     m.snapshot_bytes.set(bytes.len() as i64);
-    *state.snapshot_written.lock() = Some(Instant::now());
+    state.snapshot_written.store(super::now_ns(), Ordering::Relaxed);
     tracing::info!(snapshot = %name, bytes = bytes.len(), seconds = took, "wrote an index snapshot");
     Ok(Some(stream_seq))
 }
