@@ -30,17 +30,23 @@ fn batch(worker_id: u64, epoch: u64, event_id: u64, blocks: &[(u64, u64)]) -> Ve
     })
 }
 
+/// kvindex in this process under its role (user `kvindex`, prefix `kv`), tuned by `tune`.
+async fn kvindex_role(url: &str, tune: impl FnOnce(&mut kvindex::config::Config)) -> Daemon {
+    Daemon::start(url, |cfg| {
+        cfg.prefix = "kv".into();
+        cfg.nats_user = Some("kvindex".into());
+        cfg.nats_password = Some("k-secret".into());
+        tune(cfg);
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_party_can_do_its_job_and_nothing_else() {
     let conf = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nats/least-privilege.conf");
     let nats = NatsProcess::start_with(support::free_port(), &["-c", conf], &SECRETS).expect("nats-server takes the config");
     let url = nats.url();
-    let d = Daemon::start(&url, |cfg| {
-        cfg.prefix = "kv".into();
-        cfg.nats_user = Some("kvindex".into());
-        cfg.nats_password = Some("k-secret".into());
-    })
-    .await;
+    let d = kvindex_role(&url, |_| {}).await;
 
     // Engine 1 publishes through the publisher library: its own subject, its own resyncs.
     let engine1 = connect(&url, "engine-1", "e1-secret").await;
@@ -101,10 +107,7 @@ async fn durable_mode_works_under_its_role_and_nobody_else_touches_the_stream() 
     let args = ["-c", conf, "-js", "-sd", store.to_str().expect("a UTF-8 temp dir")];
     let nats = NatsProcess::start_with(support::free_port(), &args, &SECRETS).expect("nats-server takes the config");
     let url = nats.url();
-    let d = Daemon::start(&url, |cfg| {
-        cfg.prefix = "kv".into();
-        cfg.nats_user = Some("kvindex".into());
-        cfg.nats_password = Some("k-secret".into());
+    let d = kvindex_role(&url, |cfg| {
         cfg.ingest = kvindex::config::Ingest::Jetstream;
         cfg.snapshot_interval = 1;
     })
@@ -137,13 +140,7 @@ async fn durable_mode_works_under_its_role_and_nobody_else_touches_the_stream() 
     assert!(written.await.is_some(), "kvindex writes snapshots under its role");
     d.stop().await.unwrap();
     // ...and a restarted kvindex loads it under the same role.
-    let d = Daemon::start(&url, |cfg| {
-        cfg.prefix = "kv".into();
-        cfg.nats_user = Some("kvindex".into());
-        cfg.nats_password = Some("k-secret".into());
-        cfg.ingest = kvindex::config::Ingest::Jetstream;
-    })
-    .await;
+    let d = kvindex_role(&url, |cfg| cfg.ingest = kvindex::config::Ingest::Jetstream).await;
     assert!(d.metric("kvindex_snapshot_restore_seconds").await > 0.0, "kvindex loads its snapshot under its role");
     let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
     assert!(seen.is_some(), "whole again from the snapshot");

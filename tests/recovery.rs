@@ -268,6 +268,18 @@ async fn durable_mode_restarts_whole_from_the_stream_with_every_publisher_gone()
     assert_eq!(d.metric("kvindex_stream_pending").await, 0.0);
 }
 
+/// `n` free loopback ports, all different.
+fn distinct_ports(n: usize) -> Vec<u16> {
+    let mut ports = Vec::new();
+    while ports.len() < n {
+        let p = support::free_port();
+        if !ports.contains(&p) {
+            ports.push(p);
+        }
+    }
+    ports
+}
+
 /// A member of a two-node NATS cluster: clients on `port`, routes on `cluster`, peer at `peer`.
 fn cluster_node(port: u16, cluster: u16, peer: u16) -> support::NatsProcess {
     let (listen, route) = (format!("nats://127.0.0.1:{cluster}"), format!("nats://127.0.0.1:{peer}"));
@@ -293,13 +305,7 @@ async fn routed(a: u16, b: u16) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_node_of_a_nats_cluster_dies_in_turn_under_daemon_publishers_and_router() {
-    let mut ports = Vec::new();
-    while ports.len() < 4 {
-        let p = support::free_port();
-        if !ports.contains(&p) {
-            ports.push(p);
-        }
-    }
+    let ports = distinct_ports(4);
     let (pa, pb, ca, cb) = (ports[0], ports[1], ports[2], ports[3]);
     let mut nodes = [Some(cluster_node(pa, ca, cb)), Some(cluster_node(pb, cb, ca))];
     routed(pa, pb).await;
@@ -587,13 +593,7 @@ async fn caught_up(replicas: &mut [Option<DaemonProcess>], blocks: usize, what: 
 /// the share answered during each fault and the times to ready are printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
-    let mut ports = Vec::new();
-    while ports.len() < 6 {
-        let p = support::free_port();
-        if !ports.contains(&p) {
-            ports.push(p);
-        }
-    }
+    let ports = distinct_ports(6);
     let (client_ports, route_ports) = ports.split_at(3);
     let dir = std::env::temp_dir().join(format!("kvindex-jsc-{}-{}", std::process::id(), ports[0]));
     let mut nodes: Vec<Option<support::NatsProcess>> =
