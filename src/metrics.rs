@@ -43,6 +43,7 @@ pub struct Metrics {
     pub index_entries: IntGauge,
     pub index_hidden: IntGauge,
     pub stream_pending: IntGauge,
+    pub stream_sequence: IntGauge,
     pub stream_consumer_restarts: IntCounter,
     pub snapshot_writes: IntCounterVec,
     pub snapshot_lease: IntGauge,
@@ -253,6 +254,11 @@ impl Metrics {
                 &r,
                 "kvindex_stream_pending",
                 "JetStream ingest: messages of the stream not yet delivered to this replica (0 in core mode).",
+            ),
+            stream_sequence: gauge(
+                &r,
+                "kvindex_stream_sequence",
+                "JetStream ingest: the stream sequence of the last message ingested (compare replicas, or with the stream's last).",
             ),
             stream_consumer_restarts: counter(
                 &r,

@@ -527,9 +527,72 @@ fn js_cluster_node(i: usize, ports: &[u16], routes: &[u16], dir: &std::path::Pat
     support::NatsProcess::start_with(ports[i], &args, &[]).expect("cluster node starts")
 }
 
+/// For a wrong answer: worker `worker`'s batches as the stream holds them, in order, with the
+/// answers several more askings of `q` get (each may come from another replica).
+async fn diagnose(router: &Client, worker: u64, q: &[u64]) -> String {
+    use async_nats::jetstream::consumer::pull::OrderedConfig;
+    use std::fmt::Write;
+    let mut out = String::new();
+    let mut parent = None;
+    for &l in q {
+        let h = support::engine::block_hash(parent, l);
+        let _ = writeln!(out, "block of local {l}: {h:?}");
+        parent = Some(h);
+    }
+    for _ in 0..9 {
+        let _ = writeln!(out, "ask {q:?}: {:?}", ask(router, "t.lookup", q).await);
+    }
+    let js = async_nats::jetstream::new(router.clone());
+    let Ok(stream) = js.get_stream("T_EVENTS").await else { return out };
+    let cfg = OrderedConfig { filter_subject: format!("t.events.{worker}"), ..Default::default() };
+    let Ok(consumer) = stream.create_consumer(cfg).await else { return out };
+    let Ok(mut msgs) = consumer.messages().await else { return out };
+    while let Ok(Some(Ok(m))) = tokio::time::timeout(Duration::from_secs(3), msgs.next()).await {
+        let (seq, pending) = m.info().map(|i| (i.stream_sequence, i.pending)).unwrap_or((0, 0));
+        match kvindex_client::protocol::decode_batch(&m.payload) {
+            Ok(b) => {
+                let h = &b.header;
+                let evs: Vec<String> = b
+                    .events
+                    .iter()
+                    .map(|e| match e {
+                        Ok(e) => format!("{}:{:?}", e.event_id, e.data),
+                        Err(e) => format!("bad {e}"),
+                    })
+                    .collect();
+                let _ = writeln!(
+                    out,
+                    "seq {seq} epoch {} snap {} end {} next {:?}: {}",
+                    h.epoch,
+                    h.snapshot,
+                    h.snapshot_end,
+                    h.next_event_id,
+                    evs.join(" | ")
+                );
+            }
+            Err(e) => {
+                let _ = writeln!(out, "seq {seq}: undecodable {e}");
+            }
+        }
+        if pending == 0 {
+            break;
+        }
+    }
+    out
+}
+
 /// Every lookup of up to 5 blocks, once: how many were answered, and the first answer that is
 /// wrong (a match deeper than the truth, or of a worker holding nothing of it, not flagged stale).
 async fn answers_never_wrong(router: &Client, engines: &[ModelEngine]) -> (usize, usize, Option<String>) {
+    let (answered, asked, wrong) = first_wrong(router, engines).await;
+    let wrong = match wrong {
+        Some((w, q, what)) => Some(format!("{what}\n{}", diagnose(router, w, &q).await)),
+        None => None,
+    };
+    (answered, asked, wrong)
+}
+
+async fn first_wrong(router: &Client, engines: &[ModelEngine]) -> (usize, usize, Option<(u64, Vec<u64>, String)>) {
     let queries = all_queries(5);
     let mut answered = 0;
     for q in &queries {
@@ -538,24 +601,26 @@ async fn answers_never_wrong(router: &Client, engines: &[ModelEngine]) -> (usize
         for m in got {
             let truth = engines.iter().find(|e| e.worker_id == m.worker_id).map_or(0, |e| e.prefix_len(q));
             if m.blocks > truth && !m.stale {
-                return (
-                    answered,
-                    queries.len(),
-                    Some(format!("lookup {q:?}: worker {} at {} blocks, truth {truth}", m.worker_id, m.blocks)),
-                );
+                let what = format!("lookup {q:?}: worker {} at {} blocks, truth {truth}", m.worker_id, m.blocks);
+                return (answered, queries.len(), Some((m.worker_id, q.clone(), what)));
             }
         }
     }
     (answered, queries.len(), None)
 }
 
-/// Waits until every running replica has read the whole stream, applied all of it (no apply
-/// queue holds anything, twice 100 ms apart) and holds `blocks` blocks. It first waits out
-/// what a replica takes to see that its stream consumer died with a NATS node (the lag is
-/// read every second; two seconds without progress replace the consumer): until then its
-/// `kvindex_stream_pending` may still say 0.
-async fn caught_up(replicas: &mut [Option<DaemonProcess>], blocks: usize, what: &str) {
+/// Waits until every ready replica has ingested the stream up to its last message as read
+/// here, applied all of it (no apply queue holds anything, twice 100 ms apart) and holds
+/// `blocks` blocks. It first waits out what a replica takes to see that its stream consumer
+/// died with a NATS node (two seconds without progress replace the consumer).
+async fn caught_up(js: &async_nats::jetstream::Context, replicas: &mut [Option<DaemonProcess>], blocks: usize, what: &str) {
     tokio::time::sleep(Duration::from_millis(3500)).await;
+    let last = support::eventually(CONVERGE_S, || async {
+        let info = async { js.get_stream("T_EVENTS").await.ok()?.info().await.ok().map(|i| i.state.last_sequence) };
+        tokio::time::timeout(Duration::from_secs(2), info).await.ok().flatten()
+    })
+    .await;
+    let last = last.unwrap_or_else(|| panic!("{what}: the stream's state cannot be read")) as f64;
     for d in replicas.iter_mut().flatten() {
         // A replica out of the queue group answers nothing: it need not have caught up.
         if support::http_get(&d.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
@@ -570,7 +635,7 @@ async fn caught_up(replicas: &mut [Option<DaemonProcess>], blocks: usize, what: 
                 .filter(|l| l.starts_with("kvindex_apply_queue_depth{"))
                 .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
                 .sum();
-            support::metric_value(&text, "kvindex_stream_pending") == 0.0
+            support::metric_value(&text, "kvindex_stream_sequence") >= last
                 && queued == 0.0
                 && support::metric_value(&text, "kvindex_index_blocks") == blocks as f64
         };
@@ -586,13 +651,71 @@ async fn caught_up(replicas: &mut [Option<DaemonProcess>], blocks: usize, what: 
     }
 }
 
+/// Lookups asked one after another in the background, as a router would keep asking through
+/// a fault: how many were asked and answered since the last `take`.
+struct Prober {
+    counts: Arc<(AtomicU64, AtomicU64)>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Prober {
+    fn start(router: Client) -> Prober {
+        let counts = Arc::new((AtomicU64::new(0), AtomicU64::new(0)));
+        let c = counts.clone();
+        let task = tokio::spawn(async move {
+            for q in all_queries(3).iter().cycle() {
+                let answered = ask(&router, "t.lookup", q).await.is_some();
+                c.0.fetch_add(1, Ordering::Relaxed);
+                c.1.fetch_add(answered as u64, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        });
+        Prober { counts, task }
+    }
+
+    /// (asked, answered) since the last call.
+    fn take(&self) -> (u64, u64) {
+        (self.counts.0.swap(0, Ordering::Relaxed), self.counts.1.swap(0, Ordering::Relaxed))
+    }
+}
+
+impl Drop for Prober {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// "answered of asked (share)" for a fault's report.
+fn share((asked, answered): (u64, u64)) -> String {
+    format!("{answered} of {asked} ({:.0}%)", 100.0 * answered as f64 / asked.max(1) as f64)
+}
+
+/// Waits until a replica is in the lookup queue group again (all may have left to catch up
+/// with the stream after a NATS node died); how long that took.
+async fn answering_again(replicas: &mut [Option<DaemonProcess>], what: &str) -> Duration {
+    let start = Instant::now();
+    let ready = support::eventually(CONVERGE_S, || async {
+        for d in replicas.iter().flatten() {
+            if support::http_get(&d.metrics_addr, "/readyz").await.map(|r| r.0) == Some(200) {
+                return Some(());
+            }
+        }
+        None
+    })
+    .await;
+    if ready.is_none() {
+        let logs: Vec<String> = replicas.iter().flatten().map(|d| d.log_text()).collect();
+        panic!("{what}: no replica back in the lookup queue group in {CONVERGE_S} s; logs:\n{}", logs.join("\n===\n"));
+    }
+    start.elapsed()
+}
+
 /// Issue 12's fault test: a three-node NATS cluster with JetStream (the stream in 3 copies),
 /// three kvindex replicas in durable mode, model engines and a router. One NATS node is killed
 /// and restarted, then one replica; then every replica is killed with the publishers gone and
 /// one is restarted. No lookup may be wrong (deeper than the truth, unflagged) at any point;
 /// the share answered during each fault and the times to ready are printed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "about one run in six, a replica still answers from a stale state after its NATS node dies (OPERATIONS.md, Known); run with --ignored"]
 async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     let ports = distinct_ports(6);
     let (client_ports, route_ports) = ports.split_at(3);
@@ -633,18 +756,38 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     let router = connect(&url).await;
     let held = |f: &Fleet| f.engines.iter().map(|e| e.len()).sum::<usize>();
     fleet.run(200, Duration::from_millis(2)).await;
-    caught_up(&mut replicas, held(&fleet), "baseline").await;
+    caught_up(&js, &mut replicas, held(&fleet), "baseline").await;
     let (_, _, wrong) = answers_never_wrong(&router, &fleet.engines).await;
     assert!(wrong.is_none(), "baseline: {wrong:?}");
+    // A second router keeps asking through every fault: the share it gets answered.
+    let probe = Prober::start(connect(&url).await);
 
     // 1. A NATS node dies under events; the two others keep the stream's quorum.
     nodes[0] = None;
     fleet.run(100, Duration::from_millis(5)).await;
-    caught_up(&mut replicas, held(&fleet), "a NATS node down").await;
+    caught_up(&js, &mut replicas, held(&fleet), "a NATS node down").await;
+    let serving = answering_again(&mut replicas, "a NATS node down").await;
+    let during = probe.take();
     let (answered, asked, wrong) = answers_never_wrong(&router, &fleet.engines).await;
     if wrong.is_some() {
+        for p in fleet.publishers.iter().flatten() {
+            eprintln!("publisher {:?}", p.stats());
+        }
         for d in replicas.iter().flatten() {
-            eprintln!("=== replica {}\n{}", d.metrics_addr, d.log_text());
+            let text = support::http_get(&d.metrics_addr, "/metrics").await.map(|r| r.1).unwrap_or_default();
+            let wanted = [
+                "kvindex_stale",
+                "kvindex_event_gaps",
+                "kvindex_stream",
+                "kvindex_ready",
+                "kvindex_resync",
+                "kvindex_snapshots_total",
+                "kvindex_duplicate",
+                "kvindex_lookup_member",
+                "kvindex_nats",
+            ];
+            let lines: Vec<&str> = text.lines().filter(|l| wanted.iter().any(|w| l.starts_with(w))).collect();
+            eprintln!("=== replica {}\n{}\n{}", d.metrics_addr, lines.join("\n"), d.log_text());
         }
     }
     assert!(wrong.is_none(), "a NATS node down: {wrong:?}");
@@ -652,10 +795,20 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     for d in replicas.iter().flatten() {
         restarts += d.metric("kvindex_stream_consumer_restarts_total").await;
     }
-    eprintln!("NATS node killed: {answered}/{asked} lookups answered; {restarts} stalled consumers replaced");
+    eprintln!(
+        "NATS node killed: {} of the lookups asked meanwhile answered; a replica ready {} ms after the checks began; {answered}/{asked} lookups answered then; {restarts} stalled consumers replaced",
+        share(during),
+        serving.as_millis()
+    );
+
     nodes[0] = Some(js_cluster_node(0, client_ports, route_ports, &dir));
     fleet.run(100, Duration::from_millis(5)).await;
-    caught_up(&mut replicas, held(&fleet), "the NATS node back").await;
+    caught_up(&js, &mut replicas, held(&fleet), "the NATS node back").await;
+    for d in replicas.iter().flatten() {
+        let back = d.wait_ready(CONVERGE_S).await;
+        eprintln!("the NATS node back: replica {} in the lookup queue group after {} ms more", d.metrics_addr, back.as_millis());
+    }
+    probe.take();
 
     // 2. A replica dies; lookups go to the two others; it comes back from snapshot and stream.
     if let Some(d) = replicas[1].as_mut() {
@@ -663,16 +816,16 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     }
     let down = replicas[1].take();
     fleet.run(100, Duration::from_millis(5)).await;
-    caught_up(&mut replicas, held(&fleet), "a replica down").await;
+    caught_up(&js, &mut replicas, held(&fleet), "a replica down").await;
     let (answered, asked, wrong) = answers_never_wrong(&router, &fleet.engines).await;
     assert!(wrong.is_none(), "a replica down: {wrong:?}");
-    eprintln!("replica killed: {answered}/{asked} lookups answered");
+    eprintln!("replica killed: {} of the lookups asked meanwhile answered; {answered}/{asked} then", share(probe.take()));
     let mut d = down.expect("the replica");
     d.restart();
     let ready = d.wait_ready(30).await;
     eprintln!("replica restarted: ready in {} ms", ready.as_millis());
     replicas[1] = Some(d);
-    caught_up(&mut replicas, held(&fleet), "the replica back").await;
+    caught_up(&js, &mut replicas, held(&fleet), "the replica back").await;
     converge(&router, &fleet, replicas[1].as_mut().expect("replica"), "replica back").await;
 
     // 3. The engines' publishers go, then every replica; one comes back, whole.
@@ -685,6 +838,7 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     for d in replicas.iter_mut().flatten() {
         d.kill9();
     }
+    drop(probe);
     let mut d = replicas[2].take().expect("replica");
     d.restart();
     let ready = d.wait_ready(30).await;

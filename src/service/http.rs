@@ -18,6 +18,7 @@ fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> St
             m.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
         }
     }
+    m.stream_sequence.set(state.stream_seq.load(Ordering::Relaxed) as i64);
     let written = state.snapshot_written.load(Ordering::Relaxed);
     if written > 0 {
         m.snapshot_age.set(super::now_ns().saturating_sub(written) as f64 / 1e9);
@@ -67,11 +68,15 @@ pub(super) async fn http_server<I: KvIndex>(
                 let ready = *state.ready.borrow();
                 let connected = state.connected.load(Ordering::Relaxed);
                 let member = state.member.load(Ordering::Relaxed);
+                let replayed = state.replayed.load(Ordering::Relaxed);
                 async move {
                     match (ready, connected, member) {
                         (true, _, true) => (StatusCode::OK, "ready: answering lookups\n"),
                         (true, _, false) => (StatusCode::SERVICE_UNAVAILABLE, "rebuilt; joining the lookup queue group\n"),
                         (false, false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n"),
+                        (false, true, _) if !replayed => {
+                            (StatusCode::SERVICE_UNAVAILABLE, "catching up with the JetStream stream\n")
+                        }
                         (false, true, _) => {
                             (StatusCode::SERVICE_UNAVAILABLE, "rebuilding the index from publishers' snapshots\n")
                         }

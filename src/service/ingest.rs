@@ -160,6 +160,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
             }
             // A snapshot starts afresh, so events missed before it do not matter.
             Some(n) if ev.event_id > n && !opens_snapshot => {
+                tracing::debug!(worker = %w, expected = n, got = ev.event_id, "event gap");
                 m.event_gaps.inc();
                 gap = true;
                 c.snapshot_clean = false;
@@ -189,6 +190,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     // The publisher's next event id shows events lost at the tail (a heartbeat after them).
     match (h.next_event_id, c.next_id) {
         (Some(n), Some(x)) if n > x => {
+            tracing::debug!(worker = %w, expected = x, next = n, "events lost at the tail");
             m.event_gaps.inc();
             gap = true;
             c.snapshot_clean = false;

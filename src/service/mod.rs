@@ -81,6 +81,9 @@ struct State {
     replayed: AtomicBool,
     /// The stream's tail was reached and the apply threads are being flushed toward `replayed`.
     replay_flushing: AtomicBool,
+    /// Bumped whenever the stream must be caught up with again (a reconnect, a stalled
+    /// consumer), so that a flush begun before cannot declare the replay done.
+    replay_round: AtomicU64,
     /// JetStream: the last stream message ingested (or the restored snapshot's), which the
     /// snapshot task reads to see how many came since its last snapshot.
     stream_seq: AtomicU64,
@@ -137,6 +140,15 @@ impl State {
         if self.stale.remove_if(&w, |_, r| r.generation == generation).is_some() {
             self.metrics.stale_workers.dec();
         }
+    }
+
+    /// JetStream: the replica may have fallen behind the stream (its consumer or connection was
+    /// lost): out of the lookup queue group until a consumer has delivered up to the stream's
+    /// last message again and the apply threads have applied it.
+    fn catch_up_again(&self) {
+        self.replay_round.fetch_add(1, Ordering::Relaxed);
+        self.replay_flushing.store(false, Ordering::Relaxed);
+        self.replayed.store(false, Ordering::Relaxed);
     }
 
     fn clear_stale(&self, w: WorkerId) {
@@ -302,7 +314,7 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
         deliver_policy = consumer::DeliverPolicy::ByStartSequence { start_sequence: seq + 1 };
         restored = true;
     }
-    let messages = ordered_from(&js, state, deliver_policy).await?;
+    let (messages, _) = ordered_from(&js, state, deliver_policy).await?;
     tracing::info!(stream = %name, messages = held, "reading events from JetStream; replaying what the stream keeps");
     state.metrics.stream_pending.set(held as i64);
     if held == 0 {
@@ -311,15 +323,17 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
     Ok((messages, restored))
 }
 
-/// The stream's messages through a new ordered consumer delivering from `deliver_policy`.
+/// The stream's messages through a new ordered consumer delivering from `deliver_policy`, and
+/// the stream's last sequence just before.
 async fn ordered_from(
     js: &async_nats::jetstream::Context,
     state: &Arc<State>,
     deliver_policy: async_nats::jetstream::consumer::DeliverPolicy,
-) -> anyhow::Result<EventStream> {
+) -> anyhow::Result<(EventStream, u64)> {
     use async_nats::jetstream::consumer;
     let name = state.cfg.stream_name();
     let stream = js.get_stream(&name).await.map_err(|e| anyhow::anyhow!("binding stream {name}: {e}"))?;
+    let last = stream.cached_info().state.last_sequence;
     let ordered = stream
         .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
         .await
@@ -346,7 +360,7 @@ async fn ordered_from(
             }
         }
     });
-    Ok(Box::pin(messages))
+    Ok((Box::pin(messages), last))
 }
 
 /// JetStream: the replay is done once the stream has nothing more pending for this replica
@@ -356,23 +370,28 @@ fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pen
     if pending > 0 || state.replay_flushing.swap(true, Ordering::Relaxed) {
         return;
     }
+    let round = state.replay_round.load(Ordering::Relaxed);
     let (state, pool) = (state.clone(), pool.clone());
     tokio::spawn(async move {
         let _ = tokio::task::spawn_blocking(move || pool.flush()).await;
-        state.replayed.store(true, Ordering::Relaxed);
-        tracing::info!("replayed the JetStream stream");
+        if state.replay_round.load(Ordering::Relaxed) == round {
+            state.replayed.store(true, Ordering::Relaxed);
+            tracing::info!(sequence = state.stream_seq.load(Ordering::Relaxed), "caught up with the JetStream stream");
+        }
     });
 }
 
 /// JetStream: every second, the true lag (the stream's last sequence against the last one
 /// ingested), so `kvindex_stream_pending` does not freeze when deliveries stop. A consumer
 /// that stays behind without progress for two seconds (its server died; the client
-/// recreates it after missed heartbeats) takes the replica out of the lookup queue group
-/// and has the ingest loop read through a new consumer from the message after the last one
-/// ingested, until it has caught up again: a replica that cannot follow must not answer.
+/// recreates it after missed heartbeats), or a stream that cannot be read for two seconds
+/// while nothing arrives, takes the replica out of the lookup queue group and has the ingest
+/// loop read through a new consumer from the message after the last one ingested, until it
+/// has caught up again: a replica that cannot tell it follows must not answer.
 async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reopen: mpsc::Sender<()>) {
     let name = state.cfg.stream_name();
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let (mut prev, mut still) = (state.stream_seq.load(Ordering::Relaxed), 0);
     loop {
         tick.tick().await;
@@ -382,27 +401,31 @@ async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reo
                 Err(e) => Err(e.to_string()),
             }
         };
-        // After a reconnect, JetStream requests have been seen to hang past their own timeout:
-        // a watch that cannot read the stream counts as no progress.
         let seen = state.stream_seq.load(Ordering::Relaxed);
-        match tokio::time::timeout(Duration::from_secs(10), info).await {
+        match tokio::time::timeout(Duration::from_secs(2), info).await {
             Ok(Ok(last)) => {
                 state.metrics.stream_pending.set(last.saturating_sub(seen) as i64);
-                still = if last > seen && seen == prev { still + 1 } else { 0 };
+                // Behind, or waiting to be told it caught up (a reopen that failed, an idle
+                // stream), with nothing delivered for a tick.
+                let waiting = last > seen || !state.replayed.load(Ordering::Relaxed);
+                still = if waiting && seen == prev { still + 1 } else { 0 };
             }
             Ok(Err(e)) => state.log.warn("stream_info", || format!("reading the stream's state: {e}")),
+            // JetStream requests hang while the cluster elects leaders after a node died: with
+            // nothing delivered meanwhile either, whether this replica follows is unknown.
             Err(_) => {
                 state.log.warn("stream_info", || "reading the stream's state timed out".into());
-                still += 1;
+                if state.stream_seq.load(Ordering::Relaxed) == seen {
+                    still += 2;
+                }
             }
         }
-        prev = seen;
+        prev = state.stream_seq.load(Ordering::Relaxed);
         if still >= 2 {
             if state.replayed.load(Ordering::Relaxed) {
                 tracing::warn!("the stream's consumer is stalled; out of the lookup queue group until a new one catches up");
-                state.replay_flushing.store(false, Ordering::Relaxed);
-                state.replayed.store(false, Ordering::Relaxed);
             }
+            state.catch_up_again();
             let _ = reopen.try_send(());
             still = 0;
         }
@@ -429,6 +452,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         member: AtomicBool::new(false),
         replayed: AtomicBool::new(cfg.ingest == Ingest::Core),
         replay_flushing: AtomicBool::new(false),
+        replay_round: AtomicU64::new(0),
         stream_seq: AtomicU64::new(0),
         snapshot_written: AtomicU64::new(0),
         events_prefix: events_prefix(&cfg),
@@ -471,6 +495,8 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         .await
         .with_context(|| format!("binding metrics_addr {}", cfg.metrics_addr))?;
     let (nats_tx, nats_rx) = mpsc::unbounded_channel();
+    // JetStream: asks the ingest loop to read through a new consumer (see `stream_watch`).
+    let (reopen_tx, mut reopen_rx) = mpsc::channel::<()>(1);
     let client = connect(&cfg, nats_tx).await?;
     // Lookups first: a runtime and a NATS connection of their own (its I/O driven by that
     // runtime), so an answer never waits behind event batches, in the socket or for a thread.
@@ -501,16 +527,15 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     }
     let (cut_tx, mut cut_rx) = mpsc::channel::<snapshot::CutRequest>(1);
     let js = async_nats::jetstream::new(client.clone());
-    let (reopen_tx, mut reopen_rx) = mpsc::channel::<()>(1);
     let durable = (cfg.ingest == Ingest::Jetstream).then(|| {
         [
             tokio::spawn(snapshot::snapshot_loop(js.clone(), state.clone(), cut_tx)),
-            tokio::spawn(stream_watch(js.clone(), state.clone(), reopen_tx)),
+            tokio::spawn(stream_watch(js.clone(), state.clone(), reopen_tx.clone())),
         ]
     });
 
     let background = [
-        tokio::spawn(recovery::nats_events(client.clone(), state.clone(), nats_rx)),
+        tokio::spawn(recovery::nats_events(client.clone(), state.clone(), nats_rx, reopen_tx.clone())),
         tokio::spawn(recovery::resync_loop(client.clone(), state.clone(), resync_rx)),
         tokio::spawn(recovery::ttl_loop(state.clone(), pool.clone())),
         tokio::spawn(recovery::readiness_loop(state.clone())),
@@ -553,10 +578,14 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
                 let policy = async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: from };
                 let reopened = tokio::time::timeout(Duration::from_secs(5), ordered_from(&js, &state, policy)).await;
                 match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
-                    Ok(fresh) => {
+                    Ok((fresh, last)) => {
                         events = fresh;
                         metrics.stream_consumer_restarts.inc();
-                        tracing::info!(from, "reading the stream through a new consumer");
+                        tracing::info!(from, last, "reading the stream through a new consumer");
+                        if last < from {
+                            // Nothing to deliver: caught up once what is queued is applied.
+                            replay_progress(&state, &pool, 0);
+                        }
                     }
                     Err(e) => state.log.warn("stream_error", || format!("replacing the stalled consumer: {e:#}")),
                 }

@@ -117,8 +117,16 @@ async fn ask_everyone(client: &Client, state: &State) {
     }
 }
 
-/// Follows the NATS connection: state in metrics and logs, a broadcast resync on reconnect.
-pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc::UnboundedReceiver<Event>) {
+/// Follows the NATS connection: state in metrics and logs, and after a reconnect what was
+/// missed meanwhile: in core mode a broadcast resync; in JetStream mode, where the stream kept
+/// it, a new consumer from the message after the last one ingested (`reopen`), and not ready
+/// until it has caught up.
+pub(super) async fn nats_events(
+    client: Client,
+    state: Arc<State>,
+    mut rx: mpsc::UnboundedReceiver<Event>,
+    reopen: mpsc::Sender<()>,
+) {
     let m = &state.metrics;
     // The first connection's broadcast is sent by `run`, once the subscriptions exist.
     let mut reconnect = false;
@@ -138,9 +146,17 @@ pub(super) async fn nats_events(client: Client, state: Arc<State>, mut rx: mpsc:
         match e {
             Event::Connected => {
                 tracing::info!("connected to NATS");
+                let durable = state.cfg.ingest == crate::config::Ingest::Jetstream;
+                if reconnect && durable {
+                    // The consumer may have died with the server: not ready until one delivers
+                    // up to the stream's last message (marked before `connected`, so that the
+                    // replica never looks whole in between).
+                    state.catch_up_again();
+                    let _ = reopen.try_send(());
+                }
                 state.connected.store(true, Ordering::Relaxed);
                 m.nats_connected.set(1);
-                if reconnect {
+                if reconnect && !durable {
                     // Events published while we were away are lost: ask every publisher for its state.
                     broadcast_resync(&client, &state).await;
                 }
