@@ -130,7 +130,7 @@ const SPILLED_WINDOW: u64 = 255;
 
 /// A set of worker slots in 8 bytes: up to 56 slots of one aligned window inline (the top
 /// byte names the window); a set spanning windows is marked spilled and its members live in
-/// a [`SlotBits`] kept by the owner of the set.
+/// the [`Spill`] kept by the owner of the set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerSet(u64);
 
@@ -141,7 +141,7 @@ pub enum SetInsert {
     Added,
     /// The slot was already in the set.
     AlreadyPresent,
-    /// The set must spill: the owner moves `self.members()` plus the slot into a [`SlotBits`].
+    /// The set must spill: its members plus the slot move into the owner's [`Spill`].
     NeedsSpill,
 }
 
@@ -158,7 +158,7 @@ impl WorkerSet {
         self.0 == 0
     }
 
-    /// Its members live in the owner's [`SlotBits`].
+    /// Its members live in the owner's [`Spill`].
     #[inline]
     pub fn is_spilled(self) -> bool {
         self.0 >> WINDOW_BITS == SPILLED_WINDOW
@@ -270,51 +270,111 @@ impl WorkerSet {
     }
 }
 
-/// Members of the [`WorkerSet`]s that spilled, kept by the owner of the sets: a slab whose
-/// index the spilled set holds inline, so reaching the members costs no hash probe.
+/// Whether `len` slots up to `last` are kept as a list: when it takes at most half the bytes
+/// of a bitset (4 bytes a slot against 8 per 64 slots) and that bitset is wide (8 words or
+/// more; narrower ones intersect faster than a list and cost about as much). A bitset turns
+/// back into a list only at half that, so a set on the boundary does not convert on every
+/// change.
+fn few_fits(len: usize, last: Slot) -> bool {
+    let words = last as usize / 64 + 1;
+    words >= 8 && len <= words
+}
+
+/// Spilled-set bits naming the list slab rather than the bitset slab.
+const FEW: u64 = 1 << (WINDOW_BITS - 1);
+/// Spilled-set bits holding the index in its slab.
+const SLAB_INDEX: u64 = FEW - 1;
+
+/// Entries reused after they are freed.
 #[derive(Default)]
-pub struct Spill {
-    /// Members by slab index; a freed entry is emptied and reused.
-    sets: Vec<SlotBits>,
+struct Slab<T> {
+    items: Vec<T>,
     /// Freed indexes.
     free: Vec<u32>,
 }
 
-impl Spill {
-    fn get(&self, set: WorkerSet) -> Option<&SlotBits> {
-        self.sets.get((set.0 & MEMBER_MASK) as usize)
-    }
-
-    fn get_mut(&mut self, set: WorkerSet) -> Option<&mut SlotBits> {
-        self.sets.get_mut((set.0 & MEMBER_MASK) as usize)
-    }
-
-    /// Stores `bits` and returns the spilled set naming them.
-    fn add(&mut self, bits: SlotBits) -> WorkerSet {
-        let idx = match self.free.pop() {
+impl<T: Default> Slab<T> {
+    fn add(&mut self, item: T) -> u64 {
+        match self.free.pop() {
             Some(i) => {
-                self.sets[i as usize] = bits;
-                i
+                self.items[i as usize] = item;
+                i as u64
             }
             None => {
-                self.sets.push(bits);
-                (self.sets.len() - 1) as u32
+                self.items.push(item);
+                (self.items.len() - 1) as u64
             }
-        };
-        WorkerSet(WorkerSet::SPILLED.0 | idx as u64)
+        }
     }
 
-    /// Frees the members of the spilled set `set`.
+    fn release(&mut self, i: u64) {
+        if let Some(item) = self.items.get_mut(i as usize) {
+            *item = T::default();
+            self.free.push(i as u32);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.items.len() - self.free.len()
+    }
+}
+
+/// Members of the [`WorkerSet`]s that spilled, kept by the owner of the sets: slabs whose index
+/// the spilled set holds inline, so reaching the members costs no hash probe. A set's members
+/// are its slots in order while that list is small against a bitset as wide as its highest
+/// slot, the bitset after: on a big fleet most spills are a few workers far apart (a set spans
+/// windows as soon as two of its slots do), which a bitset would pay for with the width of the
+/// whole registry.
+///
+/// Most positions never spill a set: the slabs are allocated with the first spill and freed
+/// with the last, so an idle `Spill` is one word.
+#[derive(Default)]
+pub struct Spill(Option<Box<Slabs>>);
+
+/// The two forms of spilled members.
+#[derive(Default)]
+struct Slabs {
+    /// Members as a bitset.
+    dense: Slab<SlotBits>,
+    /// Members as ascending slots.
+    few: Slab<Vec<Slot>>,
+}
+
+/// Where a spilled set's members are.
+enum Members<'a> {
+    Dense(&'a SlotBits),
+    Few(&'a [Slot]),
+}
+
+impl Spill {
+    fn get(&self, set: WorkerSet) -> Option<Members<'_>> {
+        let slabs = self.0.as_deref()?;
+        let i = (set.0 & SLAB_INDEX) as usize;
+        if set.0 & FEW != 0 {
+            slabs.few.items.get(i).map(|v| Members::Few(v))
+        } else {
+            slabs.dense.items.get(i).map(Members::Dense)
+        }
+    }
+
+    /// Stores `slots` (ascending) and returns the spilled set naming them.
+    fn add(&mut self, slots: Vec<Slot>) -> WorkerSet {
+        self.0.get_or_insert_with(Box::default).add(slots)
+    }
+
+    /// Frees the members of the spilled set `set`, and the slabs with the last.
     fn release(&mut self, set: WorkerSet) {
-        if let Some(bits) = self.get_mut(set) {
-            *bits = SlotBits::default();
-            self.free.push((set.0 & MEMBER_MASK) as u32);
+        if let Some(slabs) = &mut self.0 {
+            slabs.release(set);
+            if slabs.dense.len() + slabs.few.len() == 0 {
+                self.0 = None;
+            }
         }
     }
 
     /// Spilled sets alive.
     pub fn len(&self) -> usize {
-        self.sets.len() - self.free.len()
+        self.0.as_ref().map_or(0, |s| s.dense.len() + s.few.len())
     }
 
     /// No spilled set alive.
@@ -323,27 +383,62 @@ impl Spill {
     }
 }
 
+impl Slabs {
+    fn add(&mut self, slots: Vec<Slot>) -> WorkerSet {
+        match slots.last() {
+            Some(&last) if !few_fits(slots.len(), last) => {
+                let mut bits = SlotBits::default();
+                slots.iter().for_each(|&s| bits.insert(s));
+                WorkerSet(WorkerSet::SPILLED.0 | self.dense.add(bits))
+            }
+            _ => WorkerSet(WorkerSet::SPILLED.0 | FEW | self.few.add(slots)),
+        }
+    }
+
+    fn release(&mut self, set: WorkerSet) {
+        if set.0 & FEW != 0 {
+            self.few.release(set.0 & SLAB_INDEX);
+        } else {
+            self.dense.release(set.0 & SLAB_INDEX);
+        }
+    }
+}
+
 impl WorkerSet {
     /// Adds `slot`, spilling into `spill` when the set outgrows its window; returns whether
     /// the slot was new.
     pub fn insert_spilling(&mut self, slot: Slot, spill: &mut Spill) -> bool {
-        if self.is_spilled() {
-            let Some(bits) = spill.get_mut(*self) else { return false };
+        if !self.is_spilled() {
+            return match self.insert(slot) {
+                SetInsert::Added => true,
+                SetInsert::AlreadyPresent => false,
+                SetInsert::NeedsSpill => {
+                    let mut slots: Vec<Slot> = self.members().collect();
+                    let at = slots.partition_point(|&s| s < slot);
+                    slots.insert(at, slot);
+                    *self = spill.add(slots);
+                    true
+                }
+            };
+        }
+        let Some(spill) = spill.0.as_deref_mut() else { return false };
+        let i = self.0 & SLAB_INDEX;
+        if self.0 & FEW == 0 {
+            let Some(bits) = spill.dense.items.get_mut(i as usize) else { return false };
             let had = bits.contains(slot);
             bits.insert(slot);
             return !had;
         }
-        match self.insert(slot) {
-            SetInsert::Added => true,
-            SetInsert::AlreadyPresent => false,
-            SetInsert::NeedsSpill => {
-                let mut bits = SlotBits::default();
-                self.to_bits(&mut bits);
-                bits.insert(slot);
-                *self = spill.add(bits);
-                true
-            }
+        let Some(slots) = spill.few.items.get_mut(i as usize) else { return false };
+        let Err(at) = slots.binary_search(&slot) else { return false };
+        slots.insert(at, slot);
+        let last = slots.last().copied().unwrap_or(slot);
+        if !few_fits(slots.len(), last) {
+            let slots = std::mem::take(slots);
+            spill.few.release(i);
+            *self = spill.add(slots);
         }
+        true
     }
 
     /// Removes `slot`, folding a spilled set back inline when it fits again.
@@ -352,12 +447,37 @@ impl WorkerSet {
             self.remove(slot);
             return;
         }
-        let Some(bits) = spill.get_mut(*self) else {
+        let Some(slabs) = spill.0.as_deref_mut() else {
             *self = WorkerSet::EMPTY;
             return;
         };
-        bits.remove(slot);
-        if let Some(inline) = WorkerSet::from_bits(bits) {
+        let i = self.0 & SLAB_INDEX;
+        let inline = if self.0 & FEW != 0 {
+            match slabs.few.items.get_mut(i as usize) {
+                Some(slots) => {
+                    if let Ok(at) = slots.binary_search(&slot) {
+                        slots.remove(at);
+                    }
+                    WorkerSet::from_slots(slots)
+                }
+                None => Some(WorkerSet::EMPTY),
+            }
+        } else {
+            match slabs.dense.items.get_mut(i as usize) {
+                Some(bits) => {
+                    bits.remove(slot);
+                    let inline = WorkerSet::from_bits(bits);
+                    if inline.is_none() && bits.last().is_some_and(|last| few_fits(2 * bits.len(), last)) {
+                        let slots = bits.iter().collect();
+                        slabs.dense.release(i);
+                        *self = slabs.add(slots);
+                    }
+                    inline
+                }
+                None => Some(WorkerSet::EMPTY),
+            }
+        };
+        if let Some(inline) = inline {
             spill.release(*self);
             *self = inline;
         }
@@ -371,9 +491,37 @@ impl WorkerSet {
             return;
         }
         match spill.get(self) {
-            Some(bits) => alive.and_with(bits),
+            Some(Members::Dense(bits)) => alive.and_with(bits),
+            Some(Members::Few(slots)) => alive.and_with_slots(slots),
             None => alive.clear(),
         }
+    }
+
+    /// The inline members, ascending; not valid on a spilled set.
+    fn members(self) -> impl Iterator<Item = Slot> {
+        let base = self.window() as u32 * WINDOW_BITS;
+        let mut m = if self.is_spilled() { 0 } else { self.0 & MEMBER_MASK };
+        std::iter::from_fn(move || {
+            if m == 0 {
+                return None;
+            }
+            let b = m.trailing_zeros();
+            m &= m - 1;
+            Some(base + b)
+        })
+    }
+
+    /// The inline set of `slots` (ascending), or `None` if they span windows.
+    fn from_slots(slots: &[Slot]) -> Option<WorkerSet> {
+        let (Some(&first), Some(&last)) = (slots.first(), slots.last()) else { return Some(WorkerSet::EMPTY) };
+        if first / WINDOW_BITS != last / WINDOW_BITS || first / WINDOW_BITS >= SPILLED_WINDOW as u32 {
+            return None;
+        }
+        let mut s = WorkerSet::EMPTY;
+        slots.iter().for_each(|&slot| {
+            s.insert(slot);
+        });
+        Some(s)
     }
 }
 
@@ -457,6 +605,22 @@ impl SlotBits {
     pub fn and_with(&mut self, other: &SlotBits) {
         for (i, w) in self.words.iter_mut().enumerate() {
             *w &= other.words.get(i).copied().unwrap_or(0);
+        }
+    }
+
+    /// `self &= slots`, for `slots` ascending.
+    pub fn and_with_slots(&mut self, slots: &[Slot]) {
+        let mut rest = slots;
+        for (i, w) in self.words.iter_mut().enumerate() {
+            let mut mask = 0u64;
+            while let Some((&s, tail)) = rest.split_first() {
+                if (s / 64) as usize != i {
+                    break;
+                }
+                mask |= 1 << (s % 64);
+                rest = tail;
+            }
+            *w &= mask;
         }
     }
 
@@ -555,10 +719,60 @@ mod tests {
         c.insert_spilling(0, &mut spill);
         c.insert_spilling(255, &mut spill);
         assert_eq!(spill.len(), 2);
-        assert_eq!(spill.sets.len(), 2);
+        assert_eq!(spill.0.as_ref().map(|s| s.dense.items.len()), Some(2));
         alive.fill(256);
         b.and_into_spilling(&spill, &mut alive);
         assert_eq!(alive.iter().collect::<Vec<_>>(), vec![2, 101, 201]);
+    }
+
+    #[test]
+    fn spilled_sets_keep_few_far_apart_slots_as_a_list_and_agree_with_a_model() {
+        let mut spill = Spill::default();
+        let mut set = WorkerSet::EMPTY;
+        let mut model = std::collections::BTreeSet::new();
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        // Sets seen as a list, as a bitset, and as a list again after a bitset.
+        let mut saw = (false, false, false);
+        for step in 0..20_000u32 {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            // Phases that grow the set past the list's size, then shrink it again.
+            let grow = step % 4_000 < 1_000;
+            let slot = (rng % 600) as Slot;
+            let insert = if grow { (rng >> 40) % 4 != 0 } else { (rng >> 40) % 256 == 0 };
+            if insert {
+                assert_eq!(set.insert_spilling(slot, &mut spill), model.insert(slot));
+            } else {
+                set.remove_spilling(slot, &mut spill);
+                model.remove(&slot);
+            }
+            match spill.get(set).filter(|_| set.is_spilled()) {
+                Some(Members::Few(slots)) => {
+                    saw.0 = true;
+                    saw.2 |= saw.1;
+                    assert!(slots.windows(2).all(|w| w[0] < w[1]));
+                    assert!(few_fits(slots.len(), *slots.last().expect("a spilled set holds slots")));
+                }
+                Some(Members::Dense(_)) => saw.1 = true,
+                None => {
+                    assert!(!set.is_spilled(), "a spilled set names a live slab entry");
+                    let (Some(lo), Some(hi)) = (model.first(), model.last()) else { continue };
+                    assert_eq!(lo / WINDOW_BITS, hi / WINDOW_BITS, "inline only within one window");
+                }
+            }
+            if step % 7 == 0 {
+                let mut alive = SlotBits::default();
+                alive.fill(600);
+                set.and_into_spilling(&spill, &mut alive);
+                assert_eq!(alive.iter().collect::<Vec<_>>(), model.iter().copied().collect::<Vec<_>>(), "step {step}");
+            }
+        }
+        assert!(saw.0 && saw.1 && saw.2, "both forms and both conversions were exercised: {saw:?}");
+        for slot in model.clone() {
+            set.remove_spilling(slot, &mut spill);
+        }
+        assert!(set.is_empty() && spill.is_empty());
     }
 
     #[test]

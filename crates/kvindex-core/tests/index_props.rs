@@ -219,6 +219,20 @@ proptest! {
 }
 
 proptest! {
+    #![proptest_config(ProptestConfig { cases: 100, ..ProptestConfig::default() })]
+
+    /// A registry wider than 512 slots: 600 other workers first, sharing root blocks with the
+    /// stream's, which get the slots past them. Their spilled sets are then slot lists (a few
+    /// workers far apart) as well as bitsets (the shared roots), converting both ways.
+    #[test]
+    fn backends_match_reference_with_a_wide_registry(ops in proptest::collection::vec(op_strategy(120, 16, 4), 1..200), jump in 1usize..5) {
+        let fillers = (0..600).map(|i| Op::Store { worker: 1000 + i, parent: None, blocks: vec![((i % 16) as u64, (i % 4) as u64)] });
+        let all: Vec<Op> = fillers.chain(ops).collect();
+        check(&all, jump, 1_000_003)?;
+    }
+}
+
+proptest! {
     #![proptest_config(ProptestConfig { cases: 1500, ..ProptestConfig::default() })]
 
     /// A depth limit of a few blocks: chains cross it all the time, and later pieces hang off
