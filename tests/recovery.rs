@@ -609,12 +609,19 @@ async fn first_wrong(router: &Client, engines: &[ModelEngine]) -> (usize, usize,
     (answered, queries.len(), None)
 }
 
-/// Waits until every ready replica has ingested the stream up to its last message as read
-/// here, applied all of it (no apply queue holds anything, twice 100 ms apart) and holds
-/// `blocks` blocks. It first waits out what a replica takes to see that its stream consumer
-/// died with a NATS node (two seconds without progress replace the consumer).
-async fn caught_up(js: &async_nats::jetstream::Context, replicas: &mut [Option<DaemonProcess>], blocks: usize, what: &str) {
+/// Waits until a replica is in the lookup queue group, then until every ready replica has
+/// ingested the stream up to its last message as read here, applied all of it (no apply
+/// queue holds anything, twice 100 ms apart) and holds `blocks` blocks; how long the wait for
+/// a ready replica took. It first waits out what a replica takes to see that its stream
+/// consumer died with a NATS node (two seconds without progress replace the consumer).
+async fn caught_up(
+    js: &async_nats::jetstream::Context,
+    replicas: &mut [Option<DaemonProcess>],
+    blocks: usize,
+    what: &str,
+) -> Duration {
     tokio::time::sleep(Duration::from_millis(3500)).await;
+    let serving = answering_again(replicas, what).await;
     let last = support::eventually(CONVERGE_S, || async {
         let info = async { js.get_stream("T_EVENTS").await.ok()?.info().await.ok().map(|i| i.state.last_sequence) };
         tokio::time::timeout(Duration::from_secs(2), info).await.ok().flatten()
@@ -649,6 +656,7 @@ async fn caught_up(js: &async_nats::jetstream::Context, replicas: &mut [Option<D
         .await;
         assert!(done.is_some(), "{what}: a replica did not catch up; log:\n{}", d.log_text());
     }
+    serving
 }
 
 /// Lookups asked one after another in the background, as a router would keep asking through
@@ -765,8 +773,7 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     // 1. A NATS node dies under events; the two others keep the stream's quorum.
     nodes[0] = None;
     fleet.run(100, Duration::from_millis(5)).await;
-    caught_up(&js, &mut replicas, held(&fleet), "a NATS node down").await;
-    let serving = answering_again(&mut replicas, "a NATS node down").await;
+    let serving = caught_up(&js, &mut replicas, held(&fleet), "a NATS node down").await;
     let during = probe.take();
     let (answered, asked, wrong) = answers_never_wrong(&router, &fleet.engines).await;
     if wrong.is_some() {

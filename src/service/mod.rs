@@ -84,6 +84,11 @@ struct State {
     /// Bumped whenever the stream must be caught up with again (a reconnect, a stalled
     /// consumer), so that a flush begun before cannot declare the replay done.
     replay_round: AtomicU64,
+    /// JetStream: the stream sequence this replica must have ingested before it may say it has
+    /// caught up (`u64::MAX`: unknown until the stream's state is read). A consumer's own
+    /// "nothing pending" is not enough: one recreated while the cluster elects leaders has
+    /// been seen to say so hundreds of messages short of the stream's end.
+    catch_up_to: AtomicU64,
     /// JetStream: the last stream message ingested (or the restored snapshot's), which the
     /// snapshot task reads to see how many came since its last snapshot.
     stream_seq: AtomicU64,
@@ -147,6 +152,7 @@ impl State {
     /// last message again and the apply threads have applied it.
     fn catch_up_again(&self) {
         self.replay_round.fetch_add(1, Ordering::Relaxed);
+        self.catch_up_to.store(u64::MAX, Ordering::Relaxed);
         self.replay_flushing.store(false, Ordering::Relaxed);
         self.replayed.store(false, Ordering::Relaxed);
     }
@@ -304,6 +310,7 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
         .await
         .map_err(|e| anyhow::anyhow!("creating or binding the JetStream stream {name}: {e}"))?;
     let kept_state = kept.info().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?.state.clone();
+    state.catch_up_to.store(kept_state.last_sequence, Ordering::Relaxed);
     let began = Instant::now();
     let (mut held, mut deliver_policy, mut restored) = (kept_state.messages, consumer::DeliverPolicy::All, false);
     if let Some((snap, bytes)) = snapshot::load(&js, state, kept_state.first_sequence).await {
@@ -367,7 +374,8 @@ async fn ordered_from(
 /// and what was handed to the apply threads is applied.
 fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pending: u64) {
     state.metrics.stream_pending.set(pending as i64);
-    if pending > 0 || state.replay_flushing.swap(true, Ordering::Relaxed) {
+    let short = state.stream_seq.load(Ordering::Relaxed) < state.catch_up_to.load(Ordering::Relaxed);
+    if pending > 0 || short || state.replay_flushing.swap(true, Ordering::Relaxed) {
         return;
     }
     let round = state.replay_round.load(Ordering::Relaxed);
@@ -405,6 +413,8 @@ async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reo
         match tokio::time::timeout(Duration::from_secs(2), info).await {
             Ok(Ok(last)) => {
                 state.metrics.stream_pending.set(last.saturating_sub(seen) as i64);
+                // Catching up after a loss: now the end to reach is known.
+                let _ = state.catch_up_to.compare_exchange(u64::MAX, last, Ordering::Relaxed, Ordering::Relaxed);
                 // Behind, or waiting to be told it caught up (a reopen that failed, an idle
                 // stream), with nothing delivered for a tick.
                 let waiting = last > seen || !state.replayed.load(Ordering::Relaxed);
@@ -453,6 +463,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         replayed: AtomicBool::new(cfg.ingest == Ingest::Core),
         replay_flushing: AtomicBool::new(false),
         replay_round: AtomicU64::new(0),
+        catch_up_to: AtomicU64::new(0),
         stream_seq: AtomicU64::new(0),
         snapshot_written: AtomicU64::new(0),
         events_prefix: events_prefix(&cfg),
@@ -580,6 +591,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
                 match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
                     Ok((fresh, last)) => {
                         events = fresh;
+                        state.catch_up_to.store(last, Ordering::Relaxed);
                         metrics.stream_consumer_restarts.inc();
                         tracing::info!(from, last, "reading the stream through a new consumer");
                         if last < from {
