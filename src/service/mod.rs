@@ -389,6 +389,35 @@ fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pen
     });
 }
 
+/// JetStream: a new consumer from the message after the last one ingested, the replica caught
+/// up once it has ingested and applied up to the stream's last message as read now; `None`
+/// (logged) if it cannot be made within 5 s, and the stream watch asks again.
+async fn reopen<I: KvIndex>(
+    js: &async_nats::jetstream::Context,
+    state: &Arc<State>,
+    pool: &Arc<ApplyPool<I>>,
+) -> Option<EventStream> {
+    let from = state.stream_seq.load(Ordering::Relaxed) + 1;
+    let policy = async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: from };
+    let reopened = tokio::time::timeout(Duration::from_secs(5), ordered_from(js, state, policy)).await;
+    match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
+        Ok((fresh, last)) => {
+            state.catch_up_to.store(last, Ordering::Relaxed);
+            state.metrics.stream_consumer_restarts.inc();
+            tracing::info!(from, last, "reading the stream through a new consumer");
+            if last < from {
+                // Nothing to deliver: caught up once what is queued is applied.
+                replay_progress(state, pool, 0);
+            }
+            Some(fresh)
+        }
+        Err(e) => {
+            state.log.warn("stream_error", || format!("replacing the stalled consumer: {e:#}"));
+            None
+        }
+    }
+}
+
 /// JetStream: every second, the true lag (the stream's last sequence against the last one
 /// ingested), so `kvindex_stream_pending` does not freeze when deliveries stop. A consumer
 /// that stays behind without progress for two seconds (its server died; the client
@@ -585,21 +614,8 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
                 None => break,
             },
             Some(()) = reopen_rx.recv() => {
-                let from = state.stream_seq.load(Ordering::Relaxed) + 1;
-                let policy = async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence { start_sequence: from };
-                let reopened = tokio::time::timeout(Duration::from_secs(5), ordered_from(&js, &state, policy)).await;
-                match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
-                    Ok((fresh, last)) => {
-                        events = fresh;
-                        state.catch_up_to.store(last, Ordering::Relaxed);
-                        metrics.stream_consumer_restarts.inc();
-                        tracing::info!(from, last, "reading the stream through a new consumer");
-                        if last < from {
-                            // Nothing to deliver: caught up once what is queued is applied.
-                            replay_progress(&state, &pool, 0);
-                        }
-                    }
-                    Err(e) => state.log.warn("stream_error", || format!("replacing the stalled consumer: {e:#}")),
+                if let Some(fresh) = reopen(&js, &state, &pool).await {
+                    events = fresh;
                 }
             }
             Some(reply) = cut_rx.recv() => {

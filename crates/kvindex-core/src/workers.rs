@@ -217,17 +217,6 @@ impl WorkerSet {
         true
     }
 
-    /// Writes the inline members into `out` (cleared first).
-    pub fn to_bits(self, out: &mut SlotBits) {
-        out.clear();
-        let base = self.window() as u32 * WINDOW_BITS;
-        let mut m = self.0 & MEMBER_MASK;
-        while m != 0 {
-            out.insert(base + m.trailing_zeros());
-            m &= m - 1;
-        }
-    }
-
     /// Intersects `alive` with this inline set in place.
     #[inline]
     pub fn and_into(self, alive: &mut SlotBits) {
@@ -256,12 +245,23 @@ impl WorkerSet {
     /// Tries to fold a spilled set back inline; `None` if it still spans windows. Its first
     /// and last members tell, so a set of a thousand workers costs a word scan, not a walk.
     pub fn from_bits(bits: &SlotBits) -> Option<WorkerSet> {
-        let (Some(first), Some(last)) = (bits.first(), bits.last()) else { return Some(WorkerSet::EMPTY) };
+        Self::inline_of(bits.first(), bits.last(), bits.iter())
+    }
+
+    /// The inline set of `slots` (ascending), or `None` if they span windows.
+    fn from_slots(slots: &[Slot]) -> Option<WorkerSet> {
+        Self::inline_of(slots.first().copied(), slots.last().copied(), slots.iter().copied())
+    }
+
+    /// The inline set of `slots`, whose lowest and highest are `first` and `last`; `None` if
+    /// they span windows.
+    fn inline_of(first: Option<Slot>, last: Option<Slot>, slots: impl Iterator<Item = Slot>) -> Option<WorkerSet> {
+        let (Some(first), Some(last)) = (first, last) else { return Some(WorkerSet::EMPTY) };
         if first / WINDOW_BITS != last / WINDOW_BITS {
             return None;
         }
         let mut s = WorkerSet::EMPTY;
-        for slot in bits.iter() {
+        for slot in slots {
             if s.insert(slot) == SetInsert::NeedsSpill {
                 return None;
             }
@@ -509,19 +509,6 @@ impl WorkerSet {
             m &= m - 1;
             Some(base + b)
         })
-    }
-
-    /// The inline set of `slots` (ascending), or `None` if they span windows.
-    fn from_slots(slots: &[Slot]) -> Option<WorkerSet> {
-        let (Some(&first), Some(&last)) = (slots.first(), slots.last()) else { return Some(WorkerSet::EMPTY) };
-        if first / WINDOW_BITS != last / WINDOW_BITS || first / WINDOW_BITS >= SPILLED_WINDOW as u32 {
-            return None;
-        }
-        let mut s = WorkerSet::EMPTY;
-        slots.iter().for_each(|&slot| {
-            s.insert(slot);
-        });
-        Some(s)
     }
 }
 
@@ -807,7 +794,7 @@ mod tests {
             s.and_into(&mut alive);
             assert_eq!(alive.iter().collect::<Vec<_>>(), slots.to_vec());
             let mut dense = SlotBits::default();
-            s.to_bits(&mut dense);
+            s.members().for_each(|x| dense.insert(x));
             assert_eq!(dense.iter().collect::<Vec<_>>(), slots.to_vec());
             assert_eq!(WorkerSet::from_bits(&dense), Some(s));
         }
