@@ -26,7 +26,7 @@ use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, W
 use crate::seeded::{SeededMap, SeededState};
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -209,10 +209,6 @@ pub struct PositionalWriter {
     tangled: bool,
     /// In a tangled worker, extra records holding an already-held place.
     aliases: SeededMap<(u32, u64), u32>,
-    /// Scratch: prefix hashes of the chain being stored.
-    chain: Vec<u64>,
-    /// Scratch: the blocks left to visit in a subtree walk.
-    stack: Vec<u64>,
     /// Its blocks past `max_depth` (see [`Beyond`]).
     beyond: Beyond,
 }
@@ -383,6 +379,11 @@ struct Scratch {
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// Writes' scratch: the prefix hashes of the chain being stored. Kept per apply thread,
+    /// not per worker, where a thousand workers would each keep their longest chain's worth.
+    static CHAIN: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the blocks left to visit in a subtree walk (per thread, as `CHAIN`).
+    static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
 }
 
 impl Default for PositionalIndex {
@@ -542,14 +543,14 @@ impl PositionalIndex {
         if rec.meta & HAS_CHILD == 0 {
             return;
         }
-        let mut kids = std::mem::take(&mut w.stack);
+        let mut kids = STACK.take();
         kids.clear();
         w.children_into(hash, &rec, &mut kids);
         if rec.meta & HAS_MORE != 0 {
             w.more_children.remove(&hash);
         }
         if kids.len() > MAX_WALK {
-            w.stack = kids;
+            STACK.set(kids);
             self.tangle(cur, w);
             return;
         }
@@ -576,7 +577,7 @@ impl PositionalIndex {
             walked += 1;
             if walked > MAX_WALK {
                 stack.clear();
-                w.stack = stack;
+                STACK.set(stack);
                 return false;
             }
             let Some(r) = w.blocks.get_mut(h) else { continue };
@@ -592,7 +593,7 @@ impl PositionalIndex {
                 w.children_into(h, &rec, &mut stack);
             }
         }
-        w.stack = stack;
+        STACK.set(stack);
         clean
     }
 
@@ -625,7 +626,7 @@ impl PositionalIndex {
                 w.children_into(h, &rec, &mut stack);
             }
         }
-        w.stack = stack;
+        STACK.set(stack);
         clean
     }
 
@@ -746,8 +747,6 @@ impl KvIndex for PositionalIndex {
             hidden: HashSet::default(),
             tangled: false,
             aliases: SeededMap::default(),
-            chain: Vec::new(),
-            stack: Vec::new(),
             beyond: Beyond::default(),
         })
     }
@@ -779,7 +778,7 @@ impl KvIndex for PositionalIndex {
             },
         };
         // The chain's prefixes first, so the slots of blocks D ahead can be prefetched.
-        let mut chain = std::mem::take(&mut w.chain);
+        let mut chain = CHAIN.take();
         chain.clear();
         let mut prev = parent_ref.map(|p| PrefixHash(p.prefix));
         for b in blocks {
@@ -837,7 +836,7 @@ impl KvIndex for PositionalIndex {
             parent_ref = Some(ParentRef { hash, prefix, held: true });
             pos += 1;
         }
-        w.chain = chain;
+        CHAIN.set(chain);
         self.placements.fetch_add(out.stored as i64, Ordering::Relaxed);
         self.note_holey(w, was_holey);
         out
