@@ -345,6 +345,15 @@ impl PositionalWriter {
         }
     }
 
+    /// Starts fetching the record of `rec`'s first child, so that a subtree walk's next
+    /// step overlaps this one's index update instead of waiting after it.
+    #[inline]
+    fn prefetch_first_child(&self, rec: &Rec) {
+        if rec.meta & HAS_CHILD != 0 {
+            self.blocks.prefetch(rec.first_child);
+        }
+    }
+
     /// Pushes the children of `hash` (its record `rec`) onto `out`.
     fn children_into(&self, hash: u64, rec: &Rec, out: &mut Vec<u64>) {
         if rec.meta & HAS_CHILD != 0 {
@@ -586,6 +595,9 @@ impl PositionalIndex {
             }
             r.meta |= HIDDEN;
             let rec = *r;
+            if self.same_window(rec.pos) {
+                w.prefetch_first_child(&rec);
+            }
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
             clean &= w.hidden.insert(rec.place());
             cur.hidden += 1;
@@ -616,6 +628,9 @@ impl PositionalIndex {
             }
             r.meta &= !HIDDEN;
             let rec = *r;
+            if self.same_window(rec.pos) {
+                w.prefetch_first_child(&rec);
+            }
             w.hidden.remove(&rec.place());
             cur.hidden -= 1;
             if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
