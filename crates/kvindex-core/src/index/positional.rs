@@ -393,6 +393,8 @@ thread_local! {
     static CHAIN: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the blocks left to visit in a subtree walk (per thread, as `CHAIN`).
     static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
+    static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
 }
 
 impl Default for PositionalIndex {
@@ -579,42 +581,25 @@ impl PositionalIndex {
     /// Hides the blocks in `stack` (new orphans) and their descendants in the same jump window
     /// from lookups; false if that is more than `MAX_WALK` blocks, or a place turned out to be
     /// held twice (the caller tangles).
-    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) -> bool {
-        let mut clean = true;
-        let mut walked = 0;
-        while let Some(h) = stack.pop() {
-            walked += 1;
-            if walked > MAX_WALK {
-                stack.clear();
-                STACK.set(stack);
-                return false;
-            }
-            let Some(r) = w.blocks.get_mut(h) else { continue };
-            if r.hidden() {
-                continue;
-            }
-            r.meta |= HIDDEN;
-            let rec = *r;
-            if self.same_window(rec.pos) {
-                w.prefetch_first_child(&rec);
-            }
-            self.index_remove(cur, rec.pos, rec.prefix, w.slot);
-            clean &= w.hidden.insert(rec.place());
-            cur.hidden += 1;
-            if self.same_window(rec.pos) {
-                w.children_into(h, &rec, &mut stack);
-            }
-        }
-        STACK.set(stack);
-        clean
+    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: Vec<u64>) -> bool {
+        self.walk(cur, w, stack, false)
     }
 
     /// Shows the blocks in `stack` (orphans just adopted under a visible parent) and their
     /// descendants in the same jump window; false if a place turned out to be held twice, or
     /// the walk passed `MAX_WALK` (the caller then tangles the worker).
-    fn reveal(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>) -> bool {
+    fn reveal(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: Vec<u64>) -> bool {
+        self.walk(cur, w, stack, true)
+    }
+
+    /// The walk of [`Self::hide`] (`show` false) and [`Self::reveal`]. The index entries are
+    /// updated after the walk, their fetches started during it, so that they overlap one
+    /// another rather than each wait for the one before.
+    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>, show: bool) -> bool {
         let mut clean = true;
         let mut walked = 0;
+        let mut places = PLACES.take();
+        places.clear();
         while let Some(h) = stack.pop() {
             walked += 1;
             if walked > MAX_WALK {
@@ -623,24 +608,44 @@ impl PositionalIndex {
                 break;
             }
             let Some(r) = w.blocks.get_mut(h) else { continue };
-            if !r.hidden() || r.meta & ORPHAN != 0 {
-                continue;
+            if show {
+                if !r.hidden() || r.meta & ORPHAN != 0 {
+                    continue;
+                }
+                r.meta &= !HIDDEN;
+            } else {
+                if r.hidden() {
+                    continue;
+                }
+                r.meta |= HIDDEN;
             }
-            r.meta &= !HIDDEN;
             let rec = *r;
-            if self.same_window(rec.pos) {
+            let deeper = self.same_window(rec.pos);
+            if deeper {
                 w.prefetch_first_child(&rec);
             }
-            w.hidden.remove(&rec.place());
-            cur.hidden -= 1;
-            if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
-                *w.aliases.entry(rec.place()).or_default() += 1;
-                clean = false;
+            self.prefetch_entry(rec.pos, rec.prefix);
+            places.push(rec.place());
+            if show {
+                w.hidden.remove(&rec.place());
+                cur.hidden -= 1;
+            } else {
+                clean &= w.hidden.insert(rec.place());
+                cur.hidden += 1;
             }
-            if self.same_window(rec.pos) {
+            if deeper {
                 w.children_into(h, &rec, &mut stack);
             }
         }
+        for &(pos, prefix) in &places {
+            if !show {
+                self.index_remove(cur, pos, prefix, w.slot);
+            } else if !self.index_add(cur, pos, prefix, w.slot) {
+                *w.aliases.entry((pos, prefix)).or_default() += 1;
+                clean = false;
+            }
+        }
+        PLACES.set(places);
         STACK.set(stack);
         clean
     }
