@@ -223,16 +223,19 @@ impl<V: Copy + Default> LinearMap<V> {
         }
     }
 
-    /// Hints the CPU to fetch `key`'s home slot.
+    /// Hints the CPU to fetch `key`'s home slot and the one after it: a removal shifts the
+    /// slots after the one it empties, and a wide slot's successor is often on the next line.
     #[inline]
     pub fn prefetch(&self, key: u64) {
         #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
             let p = &self.slots[self.home(key)] as *const Slot<V> as *const i8;
-            // SAFETY: prefetching is a hint; `p` points into the live slot array.
+            let next_end = p.wrapping_add(2 * std::mem::size_of::<Slot<V>>() - 1);
+            // SAFETY: prefetching is a hint and cannot fault, whatever the address.
             #[allow(unused_unsafe)]
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p)
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p);
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(next_end);
             };
         }
         #[cfg(not(target_arch = "x86_64"))]
