@@ -868,12 +868,12 @@ impl KvIndex for PositionalIndex {
         // Two-stage prefetch: the reverse-map slot 2*D ahead, then (once that record is in
         // cache) the index entry and the parent's record D ahead.
         for h in hashes.iter().take(2 * PREFETCH) {
-            w.blocks.prefetch(h.0);
+            w.blocks.prefetch_run(h.0);
         }
         let mut cur = WriteCursor::new(self);
         for (n, h) in hashes.iter().enumerate() {
             if let Some(ahead) = hashes.get(n + 2 * PREFETCH) {
-                w.blocks.prefetch(ahead.0);
+                w.blocks.prefetch_run(ahead.0);
             }
             if let Some(rec) = hashes.get(n + PREFETCH).and_then(|a| w.blocks.get(a.0)) {
                 self.prefetch_entry(rec.pos, rec.prefix);
