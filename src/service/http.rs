@@ -68,7 +68,7 @@ pub(super) async fn http_server<I: KvIndex>(
                 let ready = *state.ready.borrow();
                 let connected = state.connected.load(Ordering::Relaxed);
                 let member = state.member.load(Ordering::Relaxed);
-                let replayed = state.replayed.load(Ordering::Relaxed);
+                let replayed = state.caught_up.is_done();
                 async move {
                     match (ready, connected, member) {
                         (true, _, true) => (StatusCode::OK, "ready: answering lookups\n"),

@@ -6,9 +6,11 @@
 //! - [`ingest`]: decoding batches and following each worker's event sequence;
 //! - [`lookup`]: answering routers;
 //! - [`recovery`]: resync requests, readiness after a rebuild, TTL expiry, NATS reconnects;
+//! - [`catch_up`]: whether a JetStream replica has caught up with its stream;
 //! - [`snapshot`]: JetStream mode's index snapshots in the NATS object store;
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
 
+mod catch_up;
 mod http;
 mod ingest;
 mod lookup;
@@ -76,19 +78,9 @@ struct State {
     ready: tokio::sync::watch::Sender<bool>,
     /// In the lookup queue group, the server acknowledging the subscriptions.
     member: AtomicBool,
-    /// Every event the JetStream stream held at the start is applied (always true in core
-    /// mode): until then the replica is not ready.
-    replayed: AtomicBool,
-    /// The stream's tail was reached and the apply threads are being flushed toward `replayed`.
-    replay_flushing: AtomicBool,
-    /// Bumped whenever the stream must be caught up with again (a reconnect, a stalled
-    /// consumer), so that a flush begun before cannot declare the replay done.
-    replay_round: AtomicU64,
-    /// JetStream: the stream sequence this replica must have ingested before it may say it has
-    /// caught up (`u64::MAX`: unknown until the stream's state is read). A consumer's own
-    /// "nothing pending" is not enough: one recreated while the cluster elects leaders has
-    /// been seen to say so hundreds of messages short of the stream's end.
-    catch_up_to: AtomicU64,
+    /// JetStream: whether the replica has caught up with the stream (always in core mode):
+    /// until then it is not ready.
+    caught_up: catch_up::CatchUp,
     /// JetStream: the last stream message ingested (or the restored snapshot's), which the
     /// snapshot task reads to see how many came since its last snapshot.
     stream_seq: AtomicU64,
@@ -145,16 +137,6 @@ impl State {
         if self.stale.remove_if(&w, |_, r| r.generation == generation).is_some() {
             self.metrics.stale_workers.dec();
         }
-    }
-
-    /// JetStream: the replica may have fallen behind the stream (its consumer or connection was
-    /// lost): out of the lookup queue group until a consumer has delivered up to the stream's
-    /// last message again and the apply threads have applied it.
-    fn catch_up_again(&self) {
-        self.replay_round.fetch_add(1, Ordering::Relaxed);
-        self.catch_up_to.store(u64::MAX, Ordering::Relaxed);
-        self.replay_flushing.store(false, Ordering::Relaxed);
-        self.replayed.store(false, Ordering::Relaxed);
     }
 
     fn clear_stale(&self, w: WorkerId) {
@@ -310,7 +292,7 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
         .await
         .map_err(|e| anyhow::anyhow!("creating or binding the JetStream stream {name}: {e}"))?;
     let kept_state = kept.info().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?.state.clone();
-    state.catch_up_to.store(kept_state.last_sequence, Ordering::Relaxed);
+    state.caught_up.aim_at(kept_state.last_sequence);
     let began = Instant::now();
     let (mut held, mut deliver_policy, mut restored) = (kept_state.messages, consumer::DeliverPolicy::All, false);
     if let Some((snap, bytes)) = snapshot::load(&js, state, kept_state.first_sequence).await {
@@ -325,7 +307,7 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
     tracing::info!(stream = %name, messages = held, "reading events from JetStream; replaying what the stream keeps");
     state.metrics.stream_pending.set(held as i64);
     if held == 0 {
-        state.replayed.store(true, Ordering::Relaxed);
+        state.caught_up.done_now();
     }
     Ok((messages, restored))
 }
@@ -374,16 +356,13 @@ async fn ordered_from(
 /// and what was handed to the apply threads is applied.
 fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pending: u64) {
     state.metrics.stream_pending.set(pending as i64);
-    let short = state.stream_seq.load(Ordering::Relaxed) < state.catch_up_to.load(Ordering::Relaxed);
-    if pending > 0 || short || state.replay_flushing.swap(true, Ordering::Relaxed) {
+    let Some(round) = state.caught_up.reached(state.stream_seq.load(Ordering::Relaxed), pending) else {
         return;
-    }
-    let round = state.replay_round.load(Ordering::Relaxed);
+    };
     let (state, pool) = (state.clone(), pool.clone());
     tokio::spawn(async move {
         let _ = tokio::task::spawn_blocking(move || pool.flush()).await;
-        if state.replay_round.load(Ordering::Relaxed) == round {
-            state.replayed.store(true, Ordering::Relaxed);
+        if state.caught_up.flushed(round) {
             tracing::info!(sequence = state.stream_seq.load(Ordering::Relaxed), "caught up with the JetStream stream");
         }
     });
@@ -402,7 +381,7 @@ async fn reopen<I: KvIndex>(
     let reopened = tokio::time::timeout(Duration::from_secs(5), ordered_from(js, state, policy)).await;
     match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
         Ok((fresh, last)) => {
-            state.catch_up_to.store(last, Ordering::Relaxed);
+            state.caught_up.aim_at(last);
             state.metrics.stream_consumer_restarts.inc();
             tracing::info!(from, last, "reading the stream through a new consumer");
             if last < from {
@@ -443,10 +422,10 @@ async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reo
             Ok(Ok(last)) => {
                 state.metrics.stream_pending.set(last.saturating_sub(seen) as i64);
                 // Catching up after a loss: now the end to reach is known.
-                let _ = state.catch_up_to.compare_exchange(u64::MAX, last, Ordering::Relaxed, Ordering::Relaxed);
+                state.caught_up.aim_at_if_unknown(last);
                 // Behind, or waiting to be told it caught up (a reopen that failed, an idle
                 // stream), with nothing delivered for a tick.
-                let waiting = last > seen || !state.replayed.load(Ordering::Relaxed);
+                let waiting = last > seen || !state.caught_up.is_done();
                 still = if waiting && seen == prev { still + 1 } else { 0 };
             }
             Ok(Err(e)) => state.log.warn("stream_info", || format!("reading the stream's state: {e}")),
@@ -461,10 +440,10 @@ async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reo
         }
         prev = state.stream_seq.load(Ordering::Relaxed);
         if still >= 2 {
-            if state.replayed.load(Ordering::Relaxed) {
+            if state.caught_up.is_done() {
                 tracing::warn!("the stream's consumer is stalled; out of the lookup queue group until a new one catches up");
             }
-            state.catch_up_again();
+            state.caught_up.again();
             let _ = reopen.try_send(());
             still = 0;
         }
@@ -489,10 +468,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         ready: tokio::sync::watch::Sender::new(false),
         stale_generation: AtomicU64::new(0),
         member: AtomicBool::new(false),
-        replayed: AtomicBool::new(cfg.ingest == Ingest::Core),
-        replay_flushing: AtomicBool::new(false),
-        replay_round: AtomicU64::new(0),
-        catch_up_to: AtomicU64::new(0),
+        caught_up: catch_up::CatchUp::new(cfg.ingest == Ingest::Core),
         stream_seq: AtomicU64::new(0),
         snapshot_written: AtomicU64::new(0),
         events_prefix: events_prefix(&cfg),

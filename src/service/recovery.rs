@@ -97,7 +97,7 @@ impl State {
                 }
             }
         }
-        let ready = connected && r.ready && self.replayed.load(Ordering::Relaxed);
+        let ready = connected && r.ready && self.caught_up.is_done();
         self.ready.send_if_modified(|now| std::mem::replace(now, ready) != ready);
         self.metrics.ready.set(ready as i64);
     }
@@ -151,7 +151,7 @@ pub(super) async fn nats_events(
                     // The consumer may have died with the server: not ready until one delivers
                     // up to the stream's last message (marked before `connected`, so that the
                     // replica never looks whole in between).
-                    state.catch_up_again();
+                    state.caught_up.again();
                     let _ = reopen.try_send(());
                 }
                 state.connected.store(true, Ordering::Relaxed);

@@ -214,7 +214,7 @@ pub(super) async fn snapshot_loop(js: jetstream::Context, state: Arc<State>, cut
         let seq = state.stream_seq.load(Ordering::Relaxed);
         let by_time = cfg.snapshot_interval > 0 && last.0.elapsed() >= Duration::from_secs(cfg.snapshot_interval);
         let by_count = cfg.snapshot_events > 0 && seq.saturating_sub(last.1) >= cfg.snapshot_events;
-        let whole = state.replayed.load(Ordering::Relaxed) && state.connected.load(Ordering::Relaxed);
+        let whole = state.caught_up.is_done() && state.connected.load(Ordering::Relaxed);
         if !held || !whole || seq == last.1 || !(by_time || by_count) {
             continue;
         }
