@@ -26,6 +26,7 @@ use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, W
 use crate::seeded::{SeededMap, SeededState};
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
@@ -188,6 +189,10 @@ impl Rec {
     }
 }
 
+/// Engine hashes of a parent's extra children, or of the orphans waiting at one place: most
+/// such lists hold one block (a hole in a chain), kept without an allocation.
+type Siblings = SmallVec<[u64; 1]>;
+
 /// A worker's reverse map: engine block hash -> (position, prefix hash), with the links
 /// that keep the blocks under a missing ancestor out of the lookups' sight.
 pub struct PositionalWriter {
@@ -195,10 +200,10 @@ pub struct PositionalWriter {
     slot: Slot,
     blocks: LinearMap<Rec>,
     /// Children past the first, by the parent's engine hash (only branch points have any).
-    more_children: SeededMap<u64, Vec<u64>>,
+    more_children: SeededMap<u64, Siblings>,
     /// Orphans (held blocks whose parent is not held) by the place (position, prefix) of the
     /// parent they wait for: a block stored there, under any engine hash, adopts them.
-    waiting: SeededMap<(u32, u64), Vec<u64>>,
+    waiting: SeededMap<(u32, u64), Siblings>,
     /// Places of its hidden blocks: a second engine hash at one of them is an alias, seen as
     /// it is hidden (hidden copies can hang under different hidden parents, so no sibling
     /// scan finds them all).
@@ -230,7 +235,7 @@ impl PositionalWriter {
     /// Appends `list` to the list at `key`, recording each one's index; false if an index no
     /// longer fits (only a worker with hundreds of millions of blocks gets there).
     fn push_all<K: std::hash::Hash + Eq>(
-        lists: &mut SeededMap<K, Vec<u64>>,
+        lists: &mut SeededMap<K, Siblings>,
         blocks: &mut LinearMap<Rec>,
         key: K,
         list: &[u64],
@@ -253,7 +258,7 @@ impl PositionalWriter {
     /// Removes entry `idx - 1` of the list at `key`, moving the last one into its place;
     /// whether the list is gone.
     fn swap_out<K: std::hash::Hash + Eq>(
-        lists: &mut SeededMap<K, Vec<u64>>,
+        lists: &mut SeededMap<K, Siblings>,
         blocks: &mut LinearMap<Rec>,
         key: K,
         idx: u32,
@@ -518,7 +523,10 @@ impl PositionalIndex {
                     clean &= w.link(hash, o);
                 }
                 if !(hidden && self.same_window(rec.pos)) {
-                    clean &= self.reveal(cur, w, orphans);
+                    let mut stack = STACK.take();
+                    stack.clear();
+                    stack.extend_from_slice(&orphans);
+                    clean &= self.reveal(cur, w, stack);
                 }
             }
         }
