@@ -10,7 +10,11 @@
 #[path = "../src/tools/mod.rs"]
 mod tools;
 
-use kvindex_core::index::Backend;
+use kvindex_core::hash::{BlockHash, StoredBlock, WorkerId};
+use kvindex_core::index::positional::PositionalIndex;
+use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::{Backend, KvIndex};
+use std::sync::Mutex;
 use tools::alloc::CountingAlloc;
 use tools::bench::churn;
 use tools::trace::{read_trace_file, MockConfig};
@@ -18,8 +22,12 @@ use tools::trace::{read_trace_file, MockConfig};
 #[global_allocator]
 static ALLOC: CountingAlloc = CountingAlloc;
 
+/// The allocator counts every thread's bytes: the tests here take turns.
+static SERIAL: Mutex<()> = Mutex::new(());
+
 #[test]
 fn churn_keeps_memory_flat_and_emptying_gives_it_back() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     tools::alloc::enable();
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
     let mut trace = read_trace_file(std::path::Path::new(path)).unwrap();
@@ -51,5 +59,44 @@ fn churn_keeps_memory_flat_and_emptying_gives_it_back() {
                 first.index_bytes
             );
         }
+    }
+}
+
+/// Heap bytes that 64 workers keep after each stored, then removed, a 2,048-block chain,
+/// once the position chunks and the thread's scratch exist (a first worker did the same).
+fn kept_after_long_chains<I: KvIndex>(index: I) -> isize {
+    let chain = |w: u64| (0..2048).map(|i| StoredBlock::new(w << 32 | (i + 1), i)).collect::<Vec<_>>();
+    // Evicted leaf first, as engines do (a root-first removal would leave holes behind).
+    let hashes = |blocks: &[StoredBlock]| blocks.iter().rev().map(|b| b.block_hash).collect::<Vec<BlockHash>>();
+    let mut writers = Vec::with_capacity(65);
+    let mut run = |w: u64| {
+        let blocks = chain(w);
+        let mut writer = index.writer(WorkerId::new(w, 0)).expect("room for 65 workers");
+        assert_eq!(index.store(&mut writer, None, &blocks).stored, 2048);
+        assert_eq!(index.remove(&mut writer, &hashes(&blocks)).removed, 2048);
+        writers.push(writer);
+    };
+    run(1);
+    let before = tools::alloc::live_bytes();
+    (2..=65).for_each(&mut run);
+    let kept = tools::alloc::live_bytes() - before;
+    assert_eq!(index.stats().placements, 0);
+    drop(writers);
+    kept
+}
+
+/// A worker's state is what it holds, not the longest chain it ever stored: write scratch
+/// belongs to the applying thread (at a thousand workers, a chain's worth each was 11 bytes
+/// per placement).
+#[test]
+fn workers_keep_nothing_of_the_chains_they_stored() {
+    let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    tools::alloc::enable();
+    for (name, kept) in [
+        ("positional", kept_after_long_chains(PositionalIndex::default())),
+        ("radix", kept_after_long_chains(RadixIndex::new(1 << 16, 1 << 16))),
+    ] {
+        // The registry's names for 64 more workers, and nothing per block.
+        assert!(kept < 64 * 256, "{name}: 64 emptied workers keep {kept} bytes");
     }
 }
