@@ -92,9 +92,12 @@ fn kept_after_long_chains<I: KvIndex>(index: I) -> isize {
 fn workers_keep_nothing_of_the_chains_they_stored() {
     let _turn = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     tools::alloc::enable();
+    // Other tests of this binary (the tools' own) may allocate meanwhile: the least of three
+    // runs is this test's alone.
+    let least = |run: &dyn Fn() -> isize| (0..3).map(|_| run()).min().unwrap_or(isize::MAX);
     for (name, kept) in [
-        ("positional", kept_after_long_chains(PositionalIndex::default())),
-        ("radix", kept_after_long_chains(RadixIndex::new(1 << 16, 1 << 16))),
+        ("positional", least(&|| kept_after_long_chains(PositionalIndex::default()))),
+        ("radix", least(&|| kept_after_long_chains(RadixIndex::new(1 << 16, 1 << 16)))),
     ] {
         // The registry's names for 64 more workers, and nothing per block.
         assert!(kept < 64 * 256, "{name}: 64 emptied workers keep {kept} bytes");
