@@ -218,12 +218,30 @@ pub struct PositionalWriter {
     beyond: Beyond,
 }
 
+/// Entries an empty hole-bookkeeping table may keep room for (see `PositionalWriter::trim`).
+const TRIM_ABOVE: usize = 16;
+
 /// How far ahead of the block being applied its reverse-map slot is prefetched.
 const PREFETCH: usize = 8;
 
 impl PositionalWriter {
     fn holey(&self) -> bool {
         self.tangled
+    }
+
+    /// Gives back the hole bookkeeping's tables once they are empty, so that a worker keeps
+    /// what it holds, not room for the most holes it ever had (small ones stay, so a worker
+    /// whose one hole opens and closes does not allocate each time).
+    fn trim(&mut self) {
+        if self.hidden.is_empty() && self.hidden.capacity() > TRIM_ABOVE {
+            self.hidden = HashSet::default();
+        }
+        if self.waiting.is_empty() && self.waiting.capacity() > TRIM_ABOVE {
+            self.waiting = SeededMap::default();
+        }
+        if self.more_children.is_empty() && self.more_children.capacity() > TRIM_ABOVE {
+            self.more_children = SeededMap::default();
+        }
     }
 
     fn set_sib(&mut self, hash: u64, idx: u32) {
@@ -865,6 +883,7 @@ impl KvIndex for PositionalIndex {
             pos += 1;
         }
         CHAIN.set(chain);
+        w.trim();
         self.placements.fetch_add(out.stored as i64, Ordering::Relaxed);
         self.note_holey(w, was_holey);
         out
@@ -897,6 +916,7 @@ impl KvIndex for PositionalIndex {
                 None => out.unknown_removes += 1,
             }
         }
+        w.trim();
         self.placements.fetch_sub(out.removed as i64, Ordering::Relaxed);
         self.note_holey(w, was_holey);
         out
