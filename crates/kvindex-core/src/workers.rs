@@ -402,6 +402,12 @@ impl Slabs {
             self.dense.release(set.0 & SLAB_INDEX);
         }
     }
+
+    /// Stores the members of `set`, now `slots` (ascending), in the form that fits them.
+    fn reform(&mut self, set: WorkerSet, slots: Vec<Slot>) -> WorkerSet {
+        self.release(set);
+        self.add(slots)
+    }
 }
 
 impl WorkerSet {
@@ -435,8 +441,7 @@ impl WorkerSet {
         let last = slots.last().copied().unwrap_or(slot);
         if !few_fits(slots.len(), last) {
             let slots = std::mem::take(slots);
-            spill.few.release(i);
-            *self = spill.add(slots);
+            *self = spill.reform(*self, slots);
         }
         true
     }
@@ -469,8 +474,7 @@ impl WorkerSet {
                     let inline = WorkerSet::from_bits(bits);
                     if inline.is_none() && bits.last().is_some_and(|last| few_fits(2 * bits.len(), last)) {
                         let slots = bits.iter().collect();
-                        slabs.dense.release(i);
-                        *self = slabs.add(slots);
+                        *self = slabs.reform(*self, slots);
                     }
                     inline
                 }

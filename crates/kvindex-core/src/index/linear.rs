@@ -227,39 +227,20 @@ impl<V: Copy + Default> LinearMap<V> {
     /// of its probe run, which at three quarters load spans a few lines of wide slots.
     #[inline]
     pub fn prefetch_run(&self, key: u64) {
-        self.prefetch(key);
-        #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
-            let p = &self.slots[self.home(key)] as *const Slot<V> as *const i8;
-            let end = p.wrapping_add(2 * std::mem::size_of::<Slot<V>>() - 1);
-            // SAFETY: prefetching is a hint and cannot fault, whatever the address.
-            #[allow(unused_unsafe)]
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(end.wrapping_add(64));
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(end.wrapping_add(128));
-            };
+            let p = &self.slots[self.home(key)] as *const Slot<V> as *const u8;
+            prefetch_lines(p, 2 * std::mem::size_of::<Slot<V>>() + 128);
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
     }
 
     /// Hints the CPU to fetch `key`'s home slot and the one after it: a removal shifts the
     /// slots after the one it empties, and a wide slot's successor is often on the next line.
     #[inline]
     pub fn prefetch(&self, key: u64) {
-        #[cfg(target_arch = "x86_64")]
         if !self.slots.is_empty() {
-            let p = &self.slots[self.home(key)] as *const Slot<V> as *const i8;
-            let next_end = p.wrapping_add(2 * std::mem::size_of::<Slot<V>>() - 1);
-            // SAFETY: prefetching is a hint and cannot fault, whatever the address.
-            #[allow(unused_unsafe)]
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p);
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(next_end);
-            };
+            let p = &self.slots[self.home(key)] as *const Slot<V> as *const u8;
+            prefetch_lines(p, 2 * std::mem::size_of::<Slot<V>>());
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = key;
     }
 
     /// Where the slots are and how keys map to them, for [`prefetch_raw`] by a thread that
@@ -287,13 +268,23 @@ pub(crate) fn prefetch_raw<V>(ptr: *const u8, cap: usize, key: u64) {
         return;
     }
     let idx = home_of(key, crate::seeded::process_seed(), cap);
-    let _p = ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>());
+    prefetch_lines(ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>()), std::mem::size_of::<Slot<V>>());
+}
+
+/// Hints the CPU to fetch every cache line of the `len` bytes at `from`. The address is only
+/// hinted, never dereferenced, so any address is harmless.
+#[inline]
+fn prefetch_lines(from: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: prefetching is a hint and cannot fault, whatever the address.
-    #[allow(unused_unsafe)]
-    unsafe {
-        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(_p as *const i8)
-    };
+    for line in 0..(from as usize % 64 + len).div_ceil(64) {
+        // SAFETY: prefetching is a hint and cannot fault, whatever the address.
+        #[allow(unused_unsafe)]
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(from.wrapping_add(line * 64) as *const i8)
+        };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (from, len);
 }
 
 #[cfg(test)]
