@@ -141,20 +141,22 @@ impl PrefixCache {
     }
 
     /// Serves a request: its longest cached prefix hits; least recently used blocks it does not
-    /// use make room (at most `capacity` blocks stay, or a few more after holes); then all its
-    /// blocks are stamped tail-first from `clock`, as engines free them, so that without holes
-    /// parents always outlive children.
+    /// use make room, so that at most `capacity` blocks stay; then all its blocks are stamped
+    /// tail-first from `clock`, as engines free them, so that without holes parents always
+    /// outlive children.
     pub fn serve(&mut self, engine: &[u64], capacity: usize, clock: &mut u64, mut holes: Option<Holes<'_>>) -> Served {
         let hit = self.hits(engine);
-        let new = engine.len() - hit;
-        let room = capacity.saturating_sub(self.len());
+        // Past a hole, blocks of the request may still be cached: they take no new room.
+        let new = engine[hit..].iter().filter(|b| !self.stamp_of.contains_key(b)).count();
+        let over = (self.len() + new).saturating_sub(capacity);
         let mut evicted = Vec::new();
-        if new > room {
-            let need = new - room;
-            let used: rustc_hash::FxHashSet<u64> = engine[..hit].iter().copied().collect();
-            let lru: Vec<u64> = self.by_stamp.values().filter(|b| !used.contains(b)).take(need).copied().collect();
+        if over > 0 {
+            let used: rustc_hash::FxHashSet<u64> = engine.iter().copied().collect();
             let mut gone = rustc_hash::FxHashSet::default();
-            for v in lru {
+            for &v in self.by_stamp.values().filter(|b| !used.contains(b)) {
+                if evicted.len() == over {
+                    break;
+                }
                 let hole = holes.as_mut().filter(|h| h.rate > 0.0).and_then(|h| {
                     let roll = h.rng.next_u64() as f64 / 18_446_744_073_709_551_616.0;
                     (roll < h.rate).then_some(h)
@@ -174,6 +176,7 @@ impl PrefixCache {
                     }
                     _ => v,
                 };
+                // A victim already taken as another's ancestor frees nothing: the next one must.
                 let pick = if gone.contains(&pick) { v } else { pick };
                 if gone.insert(pick) {
                     evicted.push(pick);
@@ -297,35 +300,46 @@ mod tests {
         assert_eq!(mock_local_hash(0), 0x60a8_85a6_b03b_1f0a);
     }
 
+    /// Each worker's blocks as the events say (block -> parent).
+    type Held = Vec<FxHashMap<u64, Option<u64>>>;
+
+    /// Applies one request's events to `held`, checking that every removed block was held.
+    fn mirror(ops: &[TimedOp], held: &mut Held) {
+        for op in ops {
+            match &op.op {
+                StreamOp::Removed { worker, seq, .. } => {
+                    for b in seq {
+                        assert!(held[*worker as usize].remove(b).is_some());
+                    }
+                }
+                StreamOp::Stored { worker, parent, blocks, .. } => {
+                    let mut p = *parent;
+                    for &(_, b) in blocks {
+                        held[*worker as usize].insert(b, p);
+                        p = Some(b);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn small_trace() -> Vec<TraceRequest> {
+        (0..200u64)
+            .map(|i| TraceRequest { timestamp: i, input_length: 0, output_length: 0, hash_ids: vec![0, 1 + i % 7, 100 + i] })
+            .collect()
+    }
+
     #[test]
     fn lru_keeps_caches_prefix_closed_and_bounded() {
-        let trace: Vec<TraceRequest> = (0..200u64)
-            .map(|i| TraceRequest { timestamp: i, input_length: 0, output_length: 0, hash_ids: vec![0, 1 + i % 7, 100 + i] })
-            .collect();
         let cfg = MockConfig { workers: 3, capacity: 20, factor: 2, seed: 7, hole_rate: 0.0 };
         let mut engine = MockEngine::new(cfg);
         let mut ops = Vec::new();
-        let mut held: Vec<FxHashMap<u64, Option<u64>>> = vec![FxHashMap::default(); 3];
-        for r in &trace {
+        let mut held: Held = vec![FxHashMap::default(); 3];
+        for r in &small_trace() {
             let start = ops.len();
             engine.request(r, &mut ops);
-            for op in &ops[start..] {
-                match &op.op {
-                    StreamOp::Removed { worker, seq, .. } => {
-                        for b in seq {
-                            assert!(held[*worker as usize].remove(b).is_some());
-                        }
-                    }
-                    StreamOp::Stored { worker, parent, blocks, .. } => {
-                        let mut p = *parent;
-                        for &(_, b) in blocks {
-                            held[*worker as usize].insert(b, p);
-                            p = Some(b);
-                        }
-                    }
-                    _ => {}
-                }
-            }
+            mirror(&ops[start..], &mut held);
             for h in &held {
                 assert!(h.len() <= 20);
                 for p in h.values().flatten() {
@@ -334,5 +348,27 @@ mod tests {
             }
         }
         assert_eq!(engine.cached_blocks(), held.iter().map(|h| h.len()).sum::<usize>());
+    }
+
+    #[test]
+    fn holes_leave_orphans_within_capacity() {
+        for hole_rate in [0.1, 0.5, 1.0] {
+            let cfg = MockConfig { workers: 3, capacity: 20, factor: 2, seed: 7, hole_rate };
+            let mut engine = MockEngine::new(cfg);
+            let mut ops = Vec::new();
+            let mut held: Held = vec![FxHashMap::default(); 3];
+            let mut orphans = 0;
+            for r in &small_trace() {
+                let start = ops.len();
+                engine.request(r, &mut ops);
+                mirror(&ops[start..], &mut held);
+                for h in &held {
+                    assert!(h.len() <= 20, "hole rate {hole_rate}: {} blocks cached, capacity 20", h.len());
+                    orphans += h.values().flatten().filter(|p| !h.contains_key(p)).count();
+                }
+                assert_eq!(engine.cached_blocks(), held.iter().map(|h| h.len()).sum::<usize>());
+            }
+            assert!(orphans > 0, "hole rate {hole_rate} made no hole");
+        }
     }
 }
