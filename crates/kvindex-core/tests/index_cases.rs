@@ -69,6 +69,24 @@ fn middle_removal_ends_the_match<I: KvIndex>(index: I) {
     assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(7, 0, 100)]);
 }
 
+// One event may name a block before its descendants (engines free in any order): the result
+// is that of any order, and what the event leaves of the subtree comes back with the block.
+for_each_backend!(one_event_removing_a_block_before_its_descendants);
+fn one_event_removing_a_block_before_its_descendants<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(4, 0)).unwrap();
+    let locals: Vec<u64> = (0..40).map(|i| 7000 + i).collect();
+    index.store(&mut w, None, &chain(2000..2040, locals.clone()));
+    let mut event = vec![BlockHash(2010)];
+    event.extend((2011..2021).map(BlockHash));
+    event.push(BlockHash(2010));
+    let out = index.remove(&mut w, &event);
+    assert_eq!((out.removed, out.unknown_removes), (11, 1));
+    assert_eq!(index.stats().placements, 29);
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(4, 0, 10)]);
+    index.store(&mut w, Some(BlockHash(2009)), &chain(2010..2021, locals[10..21].iter().copied()));
+    assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(4, 0, 40)]);
+}
+
 // Engines hash content the same way everywhere: two workers share every engine hash.
 for_each_backend!(workers_sharing_engine_hashes_do_not_disturb_each_other);
 fn workers_sharing_engine_hashes_do_not_disturb_each_other<I: KvIndex>(index: I) {

@@ -418,6 +418,8 @@ thread_local! {
     static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
     static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the blocks a removal leaves for last (per thread, as `CHAIN`).
+    static LAST: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
 }
 
 impl Default for PositionalIndex {
@@ -698,6 +700,23 @@ impl PositionalIndex {
         w.more_children = SeededMap::default();
     }
 
+    /// A removal's two-stage prefetch before its `n`-th block (`key(i)`: the i-th block's
+    /// hash): the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that
+    /// record being in cache by now, the index entry and the parent's record D ahead.
+    #[inline]
+    fn prefetch_removal(&self, w: &PositionalWriter, n: usize, key: impl Fn(usize) -> Option<u64>) {
+        let far = n + 2 * PREFETCH;
+        for i in if n == 0 { 0 } else { far }..=far {
+            if let Some(h) = key(i) {
+                w.blocks.prefetch_run(h);
+            }
+        }
+        if let Some(rec) = key(n + PREFETCH).and_then(|h| w.blocks.get(h)) {
+            self.prefetch_entry(rec.pos, rec.prefix);
+            w.blocks.prefetch(rec.parent);
+        }
+    }
+
     fn note_holey(&self, w: &PositionalWriter, was: bool) {
         let now = w.holey();
         if now != was {
@@ -892,30 +911,49 @@ impl KvIndex for PositionalIndex {
     fn remove(&self, w: &mut PositionalWriter, hashes: &[BlockHash]) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
         let was_holey = w.holey();
-        // Two-stage prefetch: the reverse-map slot 2*D ahead, then (once that record is in
-        // cache) the index entry and the parent's record D ahead.
-        for h in hashes.iter().take(2 * PREFETCH) {
-            w.blocks.prefetch_run(h.0);
-        }
         let mut cur = WriteCursor::new(self);
+        let mut last = LAST.take();
+        last.clear();
         for (n, h) in hashes.iter().enumerate() {
-            if let Some(ahead) = hashes.get(n + 2 * PREFETCH) {
-                w.blocks.prefetch_run(ahead.0);
-            }
-            if let Some(rec) = hashes.get(n + PREFETCH).and_then(|a| w.blocks.get(a.0)) {
-                self.prefetch_entry(rec.pos, rec.prefix);
-                w.blocks.prefetch(rec.parent);
-            }
+            self.prefetch_removal(w, n, |i| hashes.get(i).map(|h| h.0));
             let was_beyond = w.beyond.forget(*h);
-            match w.blocks.remove(h.0) {
-                Some(rec) => {
+            // A block with children would make a hole: such blocks go last, deepest first, so
+            // that descendants this event removes too are gone before a subtree is hidden.
+            let defer = !w.tangled;
+            let mut taken = None;
+            let mut pos = 0;
+            let found = w.blocks.update_or_remove(h.0, |r| {
+                if defer && r.meta & HAS_CHILD != 0 {
+                    pos = r.pos;
+                    return false;
+                }
+                taken = Some(*r);
+                true
+            });
+            match (found, taken) {
+                (Some(_), Some(rec)) => {
                     self.remove_rec(&mut cur, w, h.0, rec);
                     out.removed += 1;
                 }
-                None if was_beyond => {}
+                (Some(_), None) => last.push((pos, h.0)),
+                (None, _) if was_beyond => {}
+                (None, _) => out.unknown_removes += 1,
+            }
+        }
+        if !last.is_sorted_by(|a, b| a.0 >= b.0) {
+            last.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
+        }
+        for (n, &(_, h)) in last.iter().enumerate() {
+            self.prefetch_removal(w, n, |i| last.get(i).map(|b| b.1));
+            match w.blocks.remove(h) {
+                Some(rec) => {
+                    self.remove_rec(&mut cur, w, h, rec);
+                    out.removed += 1;
+                }
                 None => out.unknown_removes += 1,
             }
         }
+        LAST.set(last);
         w.trim();
         self.placements.fetch_sub(out.removed as i64, Ordering::Relaxed);
         self.note_holey(w, was_holey);
