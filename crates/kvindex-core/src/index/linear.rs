@@ -108,6 +108,15 @@ impl<V: Copy + Default> LinearMap<V> {
         self.find(key).map(|i| &mut self.slots[i].val)
     }
 
+    /// Makes room for `more` keys beyond those held: one resize, where inserting them one by
+    /// one would grow the table step by step (a big store into an empty worker: a dozen).
+    pub fn reserve(&mut self, more: usize) {
+        let want = self.used + more;
+        if want * 4 > self.slots.len() * 3 {
+            self.resize((want * 4 / 3 + 1).max(self.slots.len() + self.slots.len() / 2).max(MIN_CAP));
+        }
+    }
+
     /// Inserts or replaces; returns the old value.
     #[inline]
     pub fn insert(&mut self, key: u64, val: V) -> Option<V> {
@@ -295,7 +304,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..5, 0u64..40, any::<u32>()), 0..600)) {
+        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..6, 0u64..40, any::<u32>()), 0..600)) {
             let mut m: LinearMap<u32> = LinearMap::default();
             let mut r: HashMap<u64, u32> = HashMap::new();
             for (op, k, v) in ops {
@@ -318,6 +327,7 @@ mod tests {
                         }
                         prop_assert_eq!(m.update_or_remove(key, f), want);
                     }
+                    4 => m.reserve(k as usize),
                     _ => prop_assert_eq!(m.get(key).copied(), r.get(&key).copied()),
                 }
                 prop_assert_eq!(m.len(), r.len());
@@ -328,6 +338,21 @@ mod tests {
             want.sort_unstable();
             prop_assert_eq!(got, want);
         }
+    }
+
+    #[test]
+    fn reserving_makes_room_in_one_step() {
+        let mut m: LinearMap<u64> = LinearMap::default();
+        m.insert(7, 7);
+        m.reserve(1000);
+        let cap = m.heap_bytes();
+        for k in 1000..2000u64 {
+            m.insert(k, k);
+        }
+        assert_eq!(m.heap_bytes(), cap, "inserting what was reserved resized the table");
+        assert!((1000..2000u64).all(|k| m.get(k) == Some(&k)) && m.get(7) == Some(&7));
+        m.reserve(0);
+        assert_eq!(m.heap_bytes(), cap);
     }
 
     #[test]

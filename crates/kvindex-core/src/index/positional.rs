@@ -851,6 +851,7 @@ impl KvIndex for PositionalIndex {
             chain.push(p.0);
             prev = Some(p);
         }
+        w.blocks.reserve(blocks.len().min(self.cfg.max_depth.saturating_sub(pos) as usize));
         for (n, b) in blocks.iter().enumerate().take(PREFETCH) {
             w.blocks.prefetch(b.block_hash.0);
             self.prefetch_entry(pos + n as u32, chain[n]);
