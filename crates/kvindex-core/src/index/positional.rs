@@ -921,24 +921,19 @@ impl KvIndex for PositionalIndex {
             // A block with children would make a hole: such blocks go last, deepest first, so
             // that descendants this event removes too are gone before a subtree is hidden.
             let defer = !w.tangled;
-            let mut taken = None;
-            let mut pos = 0;
+            let mut seen = None;
             let found = w.blocks.update_or_remove(h.0, |r| {
-                if defer && r.meta & HAS_CHILD != 0 {
-                    pos = r.pos;
-                    return false;
-                }
-                taken = Some(*r);
-                true
+                seen = Some(*r);
+                !(defer && r.meta & HAS_CHILD != 0)
             });
-            match (found, taken) {
-                (Some(_), Some(rec)) => {
+            match (found, seen) {
+                (Some(true), Some(rec)) => {
                     self.remove_rec(&mut cur, w, h.0, rec);
                     out.removed += 1;
                 }
-                (Some(_), None) => last.push((pos, h.0)),
-                (None, _) if was_beyond => {}
-                (None, _) => out.unknown_removes += 1,
+                (Some(false), Some(rec)) => last.push((rec.pos, h.0)),
+                _ if was_beyond => {}
+                _ => out.unknown_removes += 1,
             }
         }
         if !last.is_sorted_by(|a, b| a.0 >= b.0) {
