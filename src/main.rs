@@ -7,7 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use kvindex::config::{Config, Overrides};
 use kvindex_core::index::Backend;
 use std::path::PathBuf;
-use tools::bench::{self, BenchConfig, Mode, Workload};
+use tools::bench::{self, BenchConfig, Indexer, Mode, Workload};
 use tools::trace::{self, MockConfig, MockEngine};
 use tools::{shards, stream};
 
@@ -172,9 +172,9 @@ impl Source {
 struct BenchArgs {
     #[command(flatten)]
     source: Source,
-    /// Backends to compare, side by side.
-    #[arg(long, value_delimiter = ',', default_value = "positional,radix", value_parser = parse_backend)]
-    backends: Vec<Backend>,
+    /// Backends to compare, side by side (smg-positional and smg-chain: built with `--features peers`).
+    #[arg(long, value_delimiter = ',', default_value = "positional,radix", value_parser = parse_indexer)]
+    backends: Vec<Indexer>,
     /// What to measure.
     #[arg(long, value_delimiter = ',', default_value = "sequential,end-state,events,lookups,concurrent")]
     modes: Vec<Mode>,
@@ -605,5 +605,10 @@ fn write_ops(out: &str, ops: &[stream::StreamOp]) -> Result<()> {
 
 /// A backend name as the CLI spells it (core's names; the index crate has no CLI derive).
 fn parse_backend(s: &str) -> Result<Backend, String> {
+    s.parse()
+}
+
+/// A backend or peer name, as `bench --backends` takes it.
+fn parse_indexer(s: &str) -> Result<Indexer, String> {
     s.parse()
 }

@@ -16,7 +16,7 @@ use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::{Backend, KvIndex};
 use std::sync::Mutex;
 use tools::alloc::CountingAlloc;
-use tools::bench::churn;
+use tools::bench::{churn, Indexer};
 use tools::trace::{read_trace_file, MockConfig};
 
 #[global_allocator]
@@ -33,7 +33,7 @@ fn churn_keeps_memory_flat_and_emptying_gives_it_back() {
     let mut trace = read_trace_file(std::path::Path::new(path)).unwrap();
     trace.truncate(4000);
     let mock = MockConfig { workers: 8, capacity: 8192, factor: 4, seed: 7, hole_rate: 0.0 };
-    let points = churn(&trace, mock, &[Backend::Positional, Backend::Radix], 64, 5, false);
+    let points = churn(&trace, mock, &[Indexer::Kvindex(Backend::Positional), Indexer::Kvindex(Backend::Radix)], 64, 5, false);
     for backend in ["positional", "radix"] {
         let at = |phase: &str| {
             points.iter().find(|p| p.backend == backend && p.phase == phase).unwrap_or_else(|| panic!("{backend} {phase}"))

@@ -82,7 +82,7 @@ pub enum Mode {
 /// Bench settings.
 #[derive(Clone, Debug)]
 pub struct BenchConfig {
-    pub backends: Vec<Backend>,
+    pub backends: Vec<Indexer>,
     pub modes: Vec<Mode>,
     pub apply_threads: usize,
     pub lookup_threads: usize,
@@ -142,14 +142,49 @@ fn progress(enabled: bool, len: u64, msg: String) -> ProgressBar {
     pb
 }
 
-/// Builds a backend by name and runs `f` on it.
-pub fn with_backend<R>(backend: Backend, jump: usize, f: impl FnOnceIndex<R>) -> R {
+/// What the bench can replay: one of kvindex's backends, or a peer's index to compare with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Indexer {
+    /// A kvindex backend.
+    Kvindex(Backend),
+    /// smg's `PositionalIndexer` (`kv-index` 1.4.0).
+    #[cfg(feature = "peers")]
+    SmgPositional,
+    /// smg's `ChainIndex` (`kv-index` 2.0.0).
+    #[cfg(feature = "peers")]
+    SmgChain,
+}
+
+impl std::str::FromStr for Indexer {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            #[cfg(feature = "peers")]
+            "smg-positional" => Ok(Indexer::SmgPositional),
+            #[cfg(feature = "peers")]
+            "smg-chain" => Ok(Indexer::SmgChain),
+            #[cfg(not(feature = "peers"))]
+            "smg-positional" | "smg-chain" => {
+                Err(format!("{s} needs the peers built in: cargo run --release --features peers -- bench ..."))
+            }
+            _ => s.parse().map(Indexer::Kvindex).map_err(|e| format!("{e}, smg-positional, smg-chain")),
+        }
+    }
+}
+
+/// Builds an indexer and runs `f` on it.
+pub fn with_backend<R>(indexer: Indexer, jump: usize, f: impl FnOnceIndex<R>) -> R {
     let max_depth = PositionalConfig::default().max_depth;
     let max_workers = PositionalConfig::default().max_workers;
-    match backend {
-        Backend::Positional => f.call(|| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
-        Backend::Radix => f.call(|| RadixIndex::new(max_depth, max_workers)),
-        Backend::Reference => f.call(|| ReferenceIndex::new(max_depth, max_workers)),
+    match indexer {
+        Indexer::Kvindex(Backend::Positional) => f.call(|| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
+        Indexer::Kvindex(Backend::Radix) => f.call(|| RadixIndex::new(max_depth, max_workers)),
+        Indexer::Kvindex(Backend::Reference) => f.call(|| ReferenceIndex::new(max_depth, max_workers)),
+        #[cfg(feature = "peers")]
+        Indexer::SmgPositional => f.call(|| crate::tools::peers::SmgPositional::new(max_workers)),
+        #[cfg(feature = "peers")]
+        Indexer::SmgChain => f.call(|| crate::tools::peers::SmgChain::new(max_workers)),
     }
 }
 
@@ -475,7 +510,7 @@ impl FnOnceIndex<Vec<SweepPoint>> for Sweep<'_> {
 /// Replays the trace with its timeline compressed by each speedup: achieved vs offered.
 pub fn sweep(
     wl: &Workload,
-    backends: &[Backend],
+    backends: &[Indexer],
     jump: usize,
     speedups: &[f64],
     progress: bool,
@@ -633,7 +668,7 @@ impl FnOnceIndex<Vec<ChurnPoint>> for Churn<'_> {
 pub fn churn(
     trace: &[TraceRequest],
     mock: MockConfig,
-    backends: &[Backend],
+    backends: &[Indexer],
     jump: usize,
     passes: usize,
     progress: bool,

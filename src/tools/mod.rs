@@ -13,6 +13,8 @@
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
 //! - [`shards`]: `kvindex shards`: a partitioned index simulated on traces (docs/SCALING.md).
+//! - `peers`: smg's indexes behind kvindex's index trait, so `bench` compares them in one run
+//!   (only with `--features peers`).
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 
 pub mod alloc;
@@ -22,6 +24,8 @@ pub mod demo;
 pub mod e2e;
 pub mod flood;
 pub mod harness;
+#[cfg(feature = "peers")]
+pub mod peers;
 pub mod shards;
 pub mod stream;
 pub mod trace;
