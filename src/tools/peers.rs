@@ -12,7 +12,7 @@ use std::cell::RefCell;
 
 /// The deepest `max` of `matches`, deepest first (ties by worker), the order kvindex answers in:
 /// a selection, then a sort of what is kept, as the positional backend does.
-fn deepest_first(mut matches: Vec<WorkerMatch>, max: Option<usize>) -> Vec<WorkerMatch> {
+pub(crate) fn deepest_first(mut matches: Vec<WorkerMatch>, max: Option<usize>) -> Vec<WorkerMatch> {
     let order = |a: &WorkerMatch, b: &WorkerMatch| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker));
     if let Some(k) = max.filter(|&k| k < matches.len()) {
         if k == 0 {
@@ -216,73 +216,5 @@ impl SmgChain {
     /// The peer's answer through its allocation-free walk.
     fn scores(&self, query: &[LocalHash], report: impl FnMut(u32, u32)) {
         self.index.score_into(query, |h| h.0, false, report);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::tools::stream::Op;
-    use crate::tools::trace::{read_trace_file, MockConfig, MockEngine};
-    use kvindex_core::ReferenceIndex;
-    use rustc_hash::FxHashMap;
-
-    /// The shipped trace's first requests through small caches (evictions from the start),
-    /// with `hole_rate` of them leaving holes: `(lookups, answers unlike the reference's)`.
-    fn disagreements<I: KvIndex>(index: I, hole_rate: f64) -> (usize, usize) {
-        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
-        let mut trace = read_trace_file(path.as_ref()).expect("shipped trace");
-        trace.truncate(3000);
-        let cfg = MockConfig { workers: 16, capacity: 2048, hole_rate, ..Default::default() };
-        let truth = ReferenceIndex::new(1 << 20, 64);
-        let (mut writers, mut truths) = (FxHashMap::default(), FxHashMap::default());
-        let (mut lookups, mut differ) = (0, 0);
-        for op in MockEngine::run(cfg, &trace).into_iter().map(|o| Op::from(o.op)) {
-            match op {
-                Op::Event(worker, ev) => {
-                    let w = writers.entry(worker).or_insert_with(|| index.writer(worker).expect("room"));
-                    ev.apply_to(&index, w);
-                    let t = truths.entry(worker).or_insert_with(|| truth.writer(worker).expect("room"));
-                    ev.apply_to(&truth, t);
-                }
-                Op::Lookup(q) => {
-                    let opts = MatchOptions::default();
-                    lookups += 1;
-                    differ += usize::from(index.find_matches(&q, &opts) != truth.find_matches(&q, &opts));
-                }
-            }
-        }
-        (lookups, differ)
-    }
-
-    #[test]
-    fn both_peers_answer_exactly_on_prefix_closed_caches() {
-        let (lookups, differ) = disagreements(SmgPositional::new(64), 0.0);
-        assert!(lookups > 2000);
-        assert_eq!(differ, 0);
-        assert_eq!(disagreements(SmgChain::new(64), 0.0), (lookups, 0));
-    }
-
-    #[test]
-    fn smg_chain_stays_exact_with_holes() {
-        let (lookups, differ) = disagreements(SmgChain::new(64), 0.5);
-        assert!(lookups > 2000);
-        assert_eq!(differ, 0);
-    }
-
-    #[test]
-    fn smg_positional_overcounts_with_holes() {
-        let (lookups, differ) = disagreements(SmgPositional::new(64), 0.5);
-        eprintln!("smg-positional with holes: {differ} of {lookups} answers differ from the reference");
-        assert!(differ > 0);
-    }
-
-    #[test]
-    fn answers_keep_the_deepest_first() {
-        let w = |id, blocks| WorkerMatch { worker: WorkerId::new(id, 0), blocks };
-        let all = vec![w(3, 1), w(1, 5), w(2, 5), w(4, 2)];
-        assert_eq!(deepest_first(all.clone(), None), vec![w(1, 5), w(2, 5), w(4, 2), w(3, 1)]);
-        assert_eq!(deepest_first(all.clone(), Some(2)), vec![w(1, 5), w(2, 5)]);
-        assert_eq!(deepest_first(all, Some(0)), vec![]);
     }
 }
