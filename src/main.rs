@@ -173,7 +173,7 @@ struct BenchArgs {
     #[command(flatten)]
     source: Source,
     /// Backends to compare, side by side (smg-positional and smg-chain: built with `--features peers`).
-    #[arg(long, value_delimiter = ',', default_value = "positional,radix", value_parser = parse_indexer)]
+    #[arg(long, value_delimiter = ',', default_value = "positional,radix")]
     backends: Vec<Indexer>,
     /// What to measure.
     #[arg(long, value_delimiter = ',', default_value = "sequential,end-state,events,lookups,concurrent")]
@@ -226,7 +226,7 @@ struct ServeArgs {
     #[arg(long)]
     worker_ttl: Option<u64>,
     /// Index backend: positional or radix [KVINDEX_BACKEND].
-    #[arg(long, value_parser = parse_backend)]
+    #[arg(long)]
     backend: Option<Backend>,
 }
 
@@ -601,14 +601,4 @@ fn write_ops(out: &str, ops: &[stream::StreamOp]) -> Result<()> {
         let f = std::fs::File::create(out).with_context(|| format!("creating {out}"))?;
         stream::write_stream(std::io::BufWriter::new(f), ops)
     }
-}
-
-/// A backend name as the CLI spells it (core's names; the index crate has no CLI derive).
-fn parse_backend(s: &str) -> Result<Backend, String> {
-    s.parse()
-}
-
-/// A backend or peer name, as `bench --backends` takes it.
-fn parse_indexer(s: &str) -> Result<Indexer, String> {
-    s.parse()
 }

@@ -10,11 +10,10 @@
 #[path = "../src/tools/mod.rs"]
 mod tools;
 
-use kvindex_core::hash::WorkerId;
-use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::ReferenceIndex;
 use rustc_hash::FxHashMap;
-use tools::peers::{deepest_first, SmgChain, SmgPositional};
+use tools::peers::{SmgChain, SmgPositional};
 use tools::stream::Op;
 use tools::trace::{read_trace_file, MockConfig, MockEngine};
 
@@ -66,13 +65,4 @@ fn smg_positional_overcounts_with_holes() {
     let (lookups, differ) = disagreements(SmgPositional::new(64), 0.5);
     eprintln!("smg-positional with holes: {differ} of {lookups} answers differ from the reference");
     assert!(differ > 0);
-}
-
-#[test]
-fn answers_keep_the_deepest_first() {
-    let w = |id, blocks| WorkerMatch { worker: WorkerId::new(id, 0), blocks };
-    let all = vec![w(3, 1), w(1, 5), w(2, 5), w(4, 2)];
-    assert_eq!(deepest_first(all.clone(), None), vec![w(1, 5), w(2, 5), w(4, 2), w(3, 1)]);
-    assert_eq!(deepest_first(all.clone(), Some(2)), vec![w(1, 5), w(2, 5)]);
-    assert_eq!(deepest_first(all, Some(0)), vec![]);
 }

@@ -5,25 +5,10 @@
 //! cannot express (snapshots, depth limits, per-block outcomes) is said where it happens.
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex_core::index::{ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
+use kvindex_core::index::{order_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
 use kvindex_core::workers::{RegistryError, WorkerRegistry};
 use parking_lot::RwLock;
 use std::cell::RefCell;
-
-/// The deepest `max` of `matches`, deepest first (ties by worker), the order kvindex answers in:
-/// a selection, then a sort of what is kept, as the positional backend does.
-pub(crate) fn deepest_first(mut matches: Vec<WorkerMatch>, max: Option<usize>) -> Vec<WorkerMatch> {
-    let order = |a: &WorkerMatch, b: &WorkerMatch| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker));
-    if let Some(k) = max.filter(|&k| k < matches.len()) {
-        if k == 0 {
-            return Vec::new();
-        }
-        matches.select_nth_unstable_by(k - 1, order);
-        matches.truncate(k);
-    }
-    matches.sort_unstable_by(order);
-    matches
-}
 
 /// Workers by the peer's own id, so its scores can be named as kvindex names workers.
 #[derive(Default)]
@@ -51,8 +36,6 @@ macro_rules! peer {
             registry: WorkerRegistry,
             /// The peer's worker ids back to kvindex's.
             names: Names,
-            /// Workers it takes at most (the peer's own bound, or the one asked for).
-            cap: u32,
         }
 
         /// A worker's write state in the peer's terms, with scratch for converting events.
@@ -77,7 +60,6 @@ macro_rules! peer {
                     index: $new(max_workers as usize),
                     registry: WorkerRegistry::new(max_workers),
                     names: Names::default(),
-                    cap: max_workers,
                 }
             }
         }
@@ -98,7 +80,7 @@ macro_rules! peer {
                 let name = format!("{}.{}", worker.worker_id, worker.dp_rank);
                 let Ok(peer) = self.index.intern_worker(&name) else {
                     self.registry.release(worker);
-                    return Err(RegistryError::Full(self.cap).into());
+                    return Err(RegistryError::Full(self.registry.capacity()).into());
                 };
                 self.names.set(peer, Some(worker));
                 Ok($writer { id: worker, peer, map: Default::default(), blocks: Vec::new(), hashes: Vec::new() })
@@ -155,7 +137,9 @@ macro_rules! peer {
                         out.push(WorkerMatch { worker: *worker, blocks: depth });
                     }
                 });
-                deepest_first(out, opts.max_matches)
+                drop(names);
+                order_matches(&mut out, opts.max_matches);
+                out
             }
 
             fn stats(&self) -> IndexStats {

@@ -45,6 +45,11 @@ impl WorkerRegistry {
         }
     }
 
+    /// The most workers it holds at once.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
     /// The slot of `id`, assigning the lowest free one if it has none.
     pub fn intern(&self, id: WorkerId) -> Result<Slot, RegistryError> {
         let mut inner = self.inner.lock();

@@ -264,8 +264,9 @@ pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)], 
 }
 
 /// Orders matches deepest first (ties by worker id) and keeps the first `limit`: the best
-/// `limit` are selected in linear time first, and only they are sorted.
-pub(crate) fn order_matches(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
+/// `limit` are selected in linear time first, and only they are sorted. Public so that
+/// adapters of other indexes (the bench's peers) answer in the same order.
+pub fn order_matches(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
     let order = |a: &WorkerMatch, b: &WorkerMatch| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker));
     if let Some(k) = limit.filter(|&k| k < out.len()) {
         if k == 0 {
@@ -312,5 +313,25 @@ impl std::str::FromStr for Backend {
             let names: Vec<_> = Backend::ALL.iter().map(|b| b.as_str()).collect();
             format!("unknown backend {s:?}; one of {}", names.join(", "))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `order_matches` as an owned transform, for short assertions.
+    fn ordered(mut matches: Vec<WorkerMatch>, limit: Option<usize>) -> Vec<WorkerMatch> {
+        order_matches(&mut matches, limit);
+        matches
+    }
+
+    #[test]
+    fn answers_keep_the_deepest_first() {
+        let w = |id, blocks| WorkerMatch { worker: WorkerId::new(id, 0), blocks };
+        let all = vec![w(3, 1), w(1, 5), w(2, 5), w(4, 2)];
+        assert_eq!(ordered(all.clone(), None), vec![w(1, 5), w(2, 5), w(4, 2), w(3, 1)]);
+        assert_eq!(ordered(all.clone(), Some(2)), vec![w(1, 5), w(2, 5)]);
+        assert_eq!(ordered(all, Some(0)), vec![]);
     }
 }
