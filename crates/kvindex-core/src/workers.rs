@@ -4,6 +4,7 @@
 use crate::hash::WorkerId;
 use crate::seeded::SeededMap;
 use parking_lot::{Mutex, RwLock};
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A worker's dense slot number.
@@ -250,7 +251,12 @@ impl WorkerSet {
     /// Tries to fold a spilled set back inline; `None` if it still spans windows. Its first
     /// and last members tell, so a set of a thousand workers costs a word scan, not a walk.
     pub fn from_bits(bits: &SlotBits) -> Option<WorkerSet> {
-        Self::inline_of(bits.first(), bits.last(), bits.iter())
+        Self::from_words(&bits.words)
+    }
+
+    /// As [`Self::from_bits`], on a bitset's words.
+    fn from_words(words: &[u64]) -> Option<WorkerSet> {
+        Self::inline_of(first_of(words), last_of(words), iter_of(words))
     }
 
     /// The inline set of `slots` (ascending), or `None` if they span windows.
@@ -282,45 +288,90 @@ impl WorkerSet {
 /// change.
 fn few_fits(len: usize, last: Slot) -> bool {
     let words = last as usize / 64 + 1;
-    words >= 8 && len <= words
+    words >= 8 && len <= words.min(FEW_MAX)
 }
+
+/// Most slots a set keeps as a list: every list of a level takes the room of its longest, so
+/// a cap keeps them half a cache line.
+const FEW_MAX: usize = 8;
 
 /// Spilled-set bits naming the list slab rather than the bitset slab.
 const FEW: u64 = 1 << (WINDOW_BITS - 1);
 /// Spilled-set bits holding the index in its slab.
 const SLAB_INDEX: u64 = FEW - 1;
 
-/// Entries reused after they are freed.
-#[derive(Default)]
-struct Slab<T> {
+/// Padding after the members of a list entry: slots are below the registry's capacity.
+const NO_SLOT: Slot = Slot::MAX;
+
+/// Entries of `stride` items each, all in one allocation, so that reaching a spilled set's
+/// members costs one cache miss, not two (a vector's header, then its items). Freed entries
+/// are reused; an entry that needs more room widens them all, which a level pays once per
+/// width, not per change.
+struct FlatSlab<T> {
     items: Vec<T>,
-    /// Freed indexes.
+    /// Items per entry: as many as the widest entry has needed.
+    stride: usize,
+    /// Freed entries.
     free: Vec<u32>,
+    /// What an unused item holds.
+    blank: T,
 }
 
-impl<T: Default> Slab<T> {
-    fn add(&mut self, item: T) -> u64 {
-        match self.free.pop() {
-            Some(i) => {
-                self.items[i as usize] = item;
-                i as u64
-            }
-            None => {
-                self.items.push(item);
-                (self.items.len() - 1) as u64
-            }
-        }
+impl<T: Copy + PartialEq> FlatSlab<T> {
+    fn new(blank: T) -> Self {
+        FlatSlab { items: Vec::new(), stride: 0, free: Vec::new(), blank }
     }
 
-    fn release(&mut self, i: u64) {
-        if let Some(item) = self.items.get_mut(i as usize) {
-            *item = T::default();
-            self.free.push(i as u32);
-        }
+    fn entries(&self) -> usize {
+        self.items.len().checked_div(self.stride).unwrap_or(0)
     }
 
     fn len(&self) -> usize {
-        self.items.len() - self.free.len()
+        self.entries() - self.free.len()
+    }
+
+    fn get(&self, i: usize) -> Option<&[T]> {
+        self.items.get(i * self.stride..(i + 1) * self.stride)
+    }
+
+    fn get_mut(&mut self, i: usize) -> Option<&mut [T]> {
+        self.items.get_mut(i * self.stride..(i + 1) * self.stride)
+    }
+
+    /// Makes every entry at least `stride` items wide.
+    fn widen(&mut self, stride: usize) {
+        if stride <= self.stride {
+            return;
+        }
+        let mut items = vec![self.blank; self.entries() * stride];
+        if self.stride > 0 {
+            for (to, from) in items.chunks_exact_mut(stride).zip(self.items.chunks_exact(self.stride)) {
+                to[..from.len()].copy_from_slice(from);
+            }
+        }
+        self.items = items;
+        self.stride = stride;
+    }
+
+    /// A blank entry at least `stride` items wide: its index and its items.
+    fn alloc(&mut self, stride: usize) -> (u64, &mut [T]) {
+        self.widen(stride.max(1));
+        let i = match self.free.pop() {
+            Some(i) => i as usize,
+            None => {
+                self.items.resize(self.items.len() + self.stride, self.blank);
+                self.entries() - 1
+            }
+        };
+        (i as u64, &mut self.items[i * self.stride..(i + 1) * self.stride])
+    }
+
+    fn release(&mut self, i: u64) {
+        let blank = self.blank;
+        if let Some(entry) = self.get_mut(i as usize) {
+            entry.fill(blank);
+            self.free.push(i as u32);
+        }
     }
 }
 
@@ -337,18 +388,28 @@ impl<T: Default> Slab<T> {
 pub struct Spill(Option<Box<Slabs>>);
 
 /// The two forms of spilled members.
-#[derive(Default)]
 struct Slabs {
-    /// Members as a bitset.
-    dense: Slab<SlotBits>,
-    /// Members as ascending slots.
-    few: Slab<Vec<Slot>>,
+    /// Members as bitsets.
+    dense: FlatSlab<u64>,
+    /// Members as ascending slots, padded with `NO_SLOT`.
+    few: FlatSlab<Slot>,
+}
+
+impl Default for Slabs {
+    fn default() -> Self {
+        Slabs { dense: FlatSlab::new(0), few: FlatSlab::new(NO_SLOT) }
+    }
 }
 
 /// Where a spilled set's members are.
 enum Members<'a> {
-    Dense(&'a SlotBits),
+    Dense(&'a [u64]),
     Few(&'a [Slot]),
+}
+
+/// The members of a list entry, without its padding.
+fn listed(entry: &[Slot]) -> &[Slot] {
+    &entry[..entry.partition_point(|&s| s != NO_SLOT)]
 }
 
 impl Spill {
@@ -356,14 +417,14 @@ impl Spill {
         let slabs = self.0.as_deref()?;
         let i = (set.0 & SLAB_INDEX) as usize;
         if set.0 & FEW != 0 {
-            slabs.few.items.get(i).map(|v| Members::Few(v))
+            slabs.few.get(i).map(|e| Members::Few(listed(e)))
         } else {
-            slabs.dense.items.get(i).map(Members::Dense)
+            slabs.dense.get(i).map(Members::Dense)
         }
     }
 
     /// Stores `slots` (ascending) and returns the spilled set naming them.
-    fn add(&mut self, slots: Vec<Slot>) -> WorkerSet {
+    fn add(&mut self, slots: &[Slot]) -> WorkerSet {
         self.0.get_or_insert_with(Box::default).add(slots)
     }
 
@@ -389,14 +450,20 @@ impl Spill {
 }
 
 impl Slabs {
-    fn add(&mut self, slots: Vec<Slot>) -> WorkerSet {
+    fn add(&mut self, slots: &[Slot]) -> WorkerSet {
         match slots.last() {
             Some(&last) if !few_fits(slots.len(), last) => {
-                let mut bits = SlotBits::default();
-                slots.iter().for_each(|&s| bits.insert(s));
-                WorkerSet(WorkerSet::SPILLED.0 | self.dense.add(bits))
+                let (i, entry) = self.dense.alloc(last as usize / 64 + 1);
+                for &s in slots {
+                    entry[s as usize / 64] |= 1 << (s % 64);
+                }
+                WorkerSet(WorkerSet::SPILLED.0 | i)
             }
-            _ => WorkerSet(WorkerSet::SPILLED.0 | FEW | self.few.add(slots)),
+            _ => {
+                let (i, entry) = self.few.alloc(slots.len());
+                entry[..slots.len()].copy_from_slice(slots);
+                WorkerSet(WorkerSet::SPILLED.0 | FEW | i)
+            }
         }
     }
 
@@ -409,7 +476,7 @@ impl Slabs {
     }
 
     /// Stores the members of `set`, now `slots` (ascending), in the form that fits them.
-    fn reform(&mut self, set: WorkerSet, slots: Vec<Slot>) -> WorkerSet {
+    fn reform(&mut self, set: WorkerSet, slots: &[Slot]) -> WorkerSet {
         self.release(set);
         self.add(slots)
     }
@@ -424,29 +491,40 @@ impl WorkerSet {
                 SetInsert::Added => true,
                 SetInsert::AlreadyPresent => false,
                 SetInsert::NeedsSpill => {
-                    let mut slots: Vec<Slot> = self.members().collect();
+                    let mut slots: SmallVec<[Slot; 64]> = self.members().collect();
                     let at = slots.partition_point(|&s| s < slot);
                     slots.insert(at, slot);
-                    *self = spill.add(slots);
+                    *self = spill.add(&slots);
                     true
                 }
             };
         }
-        let Some(spill) = spill.0.as_deref_mut() else { return false };
-        let i = self.0 & SLAB_INDEX;
+        let Some(slabs) = spill.0.as_deref_mut() else { return false };
+        let i = (self.0 & SLAB_INDEX) as usize;
         if self.0 & FEW == 0 {
-            let Some(bits) = spill.dense.items.get_mut(i as usize) else { return false };
-            let had = bits.contains(slot);
-            bits.insert(slot);
+            if i >= slabs.dense.entries() {
+                return false;
+            }
+            slabs.dense.widen(slot as usize / 64 + 1);
+            let Some(word) = slabs.dense.get_mut(i).and_then(|e| e.get_mut(slot as usize / 64)) else { return false };
+            let had = *word & (1 << (slot % 64)) != 0;
+            *word |= 1 << (slot % 64);
             return !had;
         }
-        let Some(slots) = spill.few.items.get_mut(i as usize) else { return false };
-        let Err(at) = slots.binary_search(&slot) else { return false };
-        slots.insert(at, slot);
-        let last = slots.last().copied().unwrap_or(slot);
-        if !few_fits(slots.len(), last) {
-            let slots = std::mem::take(slots);
-            *self = spill.reform(*self, slots);
+        let Some(entry) = slabs.few.get(i) else { return false };
+        let list = listed(entry);
+        let (len, last) = (list.len(), list.last().map_or(slot, |&l| l.max(slot)));
+        let Err(at) = list.binary_search(&slot) else { return false };
+        if !few_fits(len + 1, last) {
+            let mut slots: SmallVec<[Slot; 64]> = list.iter().copied().collect();
+            slots.insert(at, slot);
+            *self = slabs.reform(*self, &slots);
+            return true;
+        }
+        slabs.few.widen(len + 1);
+        if let Some(entry) = slabs.few.get_mut(i) {
+            entry[at..=len].rotate_right(1);
+            entry[at] = slot;
         }
         true
     }
@@ -461,25 +539,29 @@ impl WorkerSet {
             *self = WorkerSet::EMPTY;
             return;
         };
-        let i = self.0 & SLAB_INDEX;
+        let i = (self.0 & SLAB_INDEX) as usize;
         let inline = if self.0 & FEW != 0 {
-            match slabs.few.items.get_mut(i as usize) {
-                Some(slots) => {
-                    if let Ok(at) = slots.binary_search(&slot) {
-                        slots.remove(at);
+            match slabs.few.get_mut(i) {
+                Some(entry) => {
+                    let len = listed(entry).len();
+                    if let Ok(at) = entry[..len].binary_search(&slot) {
+                        entry[at..len].rotate_left(1);
+                        entry[len - 1] = NO_SLOT;
                     }
-                    WorkerSet::from_slots(slots)
+                    WorkerSet::from_slots(listed(entry))
                 }
                 None => Some(WorkerSet::EMPTY),
             }
         } else {
-            match slabs.dense.items.get_mut(i as usize) {
+            match slabs.dense.get_mut(i) {
                 Some(bits) => {
-                    bits.remove(slot);
-                    let inline = WorkerSet::from_bits(bits);
-                    if inline.is_none() && bits.last().is_some_and(|last| few_fits(2 * bits.len(), last)) {
-                        let slots = bits.iter().collect();
-                        *self = slabs.reform(*self, slots);
+                    if let Some(word) = bits.get_mut(slot as usize / 64) {
+                        *word &= !(1 << (slot % 64));
+                    }
+                    let inline = WorkerSet::from_words(bits);
+                    if inline.is_none() && last_of(bits).is_some_and(|last| few_fits(2 * count_of(bits), last)) {
+                        let slots: SmallVec<[Slot; 64]> = iter_of(bits).collect();
+                        *self = slabs.reform(*self, &slots);
                     }
                     inline
                 }
@@ -500,7 +582,7 @@ impl WorkerSet {
             return;
         }
         match spill.get(self) {
-            Some(Members::Dense(bits)) => alive.and_with(bits),
+            Some(Members::Dense(bits)) => alive.and_with_words(bits),
             Some(Members::Few(slots)) => alive.and_with_slots(slots),
             None => alive.clear(),
         }
@@ -521,6 +603,38 @@ impl WorkerSet {
     }
 }
 
+/// The lowest member of the bitset `words`.
+fn first_of(words: &[u64]) -> Option<Slot> {
+    let i = words.iter().position(|&w| w != 0)?;
+    Some(i as Slot * 64 + words[i].trailing_zeros())
+}
+
+/// The highest member of the bitset `words`.
+fn last_of(words: &[u64]) -> Option<Slot> {
+    let i = words.iter().rposition(|&w| w != 0)?;
+    Some(i as Slot * 64 + 63 - words[i].leading_zeros())
+}
+
+/// Number of members of the bitset `words`.
+fn count_of(words: &[u64]) -> usize {
+    words.iter().map(|w| w.count_ones() as usize).sum()
+}
+
+/// The members of the bitset `words`, ascending.
+fn iter_of(words: &[u64]) -> impl Iterator<Item = Slot> + '_ {
+    words.iter().enumerate().flat_map(|(i, &w)| {
+        let mut m = w;
+        std::iter::from_fn(move || {
+            if m == 0 {
+                return None;
+            }
+            let b = m.trailing_zeros();
+            m &= m - 1;
+            Some(i as u32 * 64 + b)
+        })
+    })
+}
+
 /// A dense bitset over worker slots: spilled sets and the running sets of a lookup.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SlotBits {
@@ -530,14 +644,12 @@ pub struct SlotBits {
 impl SlotBits {
     /// Its lowest member.
     pub fn first(&self) -> Option<Slot> {
-        let i = self.words.iter().position(|&w| w != 0)?;
-        Some(i as Slot * 64 + self.words[i].trailing_zeros())
+        first_of(&self.words)
     }
 
     /// Its highest member.
     pub fn last(&self) -> Option<Slot> {
-        let i = self.words.iter().rposition(|&w| w != 0)?;
-        Some(i as Slot * 64 + 63 - self.words[i].leading_zeros())
+        last_of(&self.words)
     }
 
     /// An empty set with room for `slots` slots.
@@ -594,13 +706,18 @@ impl SlotBits {
 
     /// Number of members.
     pub fn len(&self) -> usize {
-        self.words.iter().map(|w| w.count_ones() as usize).sum()
+        count_of(&self.words)
     }
 
     /// `self &= other`.
     pub fn and_with(&mut self, other: &SlotBits) {
+        self.and_with_words(&other.words);
+    }
+
+    /// `self &= other`, for another bitset's words.
+    fn and_with_words(&mut self, other: &[u64]) {
         for (i, w) in self.words.iter_mut().enumerate() {
-            *w &= other.words.get(i).copied().unwrap_or(0);
+            *w &= other.get(i).copied().unwrap_or(0);
         }
     }
 
@@ -635,17 +752,7 @@ impl SlotBits {
 
     /// The members, ascending.
     pub fn iter(&self) -> impl Iterator<Item = Slot> + '_ {
-        self.words.iter().enumerate().flat_map(|(i, &w)| {
-            let mut m = w;
-            std::iter::from_fn(move || {
-                if m == 0 {
-                    return None;
-                }
-                let b = m.trailing_zeros();
-                m &= m - 1;
-                Some(i as u32 * 64 + b)
-            })
-        })
+        iter_of(&self.words)
     }
 
     /// Heap bytes held.
@@ -715,7 +822,7 @@ mod tests {
         c.insert_spilling(0, &mut spill);
         c.insert_spilling(255, &mut spill);
         assert_eq!(spill.len(), 2);
-        assert_eq!(spill.0.as_ref().map(|s| s.dense.items.len()), Some(2));
+        assert_eq!(spill.0.as_ref().map(|s| s.dense.entries()), Some(2));
         alive.fill(256);
         b.and_into_spilling(&spill, &mut alive);
         assert_eq!(alive.iter().collect::<Vec<_>>(), vec![2, 101, 201]);
@@ -769,6 +876,30 @@ mod tests {
             set.remove_spilling(slot, &mut spill);
         }
         assert!(set.is_empty() && spill.is_empty());
+    }
+
+    #[test]
+    fn widening_a_slab_keeps_every_entry() {
+        let members = |set: WorkerSet, spill: &Spill| {
+            let mut alive = SlotBits::default();
+            alive.fill(1024);
+            set.and_into_spilling(spill, &mut alive);
+            alive.iter().collect::<Vec<_>>()
+        };
+        let mut spill = Spill::default();
+        let mut sets = [WorkerSet::EMPTY; 4];
+        // Two narrow bitsets and two short lists, then one of each grows past the stride.
+        for (set, slots) in sets.iter_mut().zip([[1, 100], [3, 70], [0, 600], [5, 700]]) {
+            slots.iter().for_each(|&s| assert!(set.insert_spilling(s, &mut spill)));
+        }
+        assert!(sets[0].insert_spilling(1000, &mut spill));
+        for s in [601, 602, 603] {
+            assert!(sets[2].insert_spilling(s, &mut spill));
+        }
+        let got: Vec<_> = sets.iter().map(|&set| members(set, &spill)).collect();
+        assert_eq!(got, [vec![1, 100, 1000], vec![3, 70], vec![0, 600, 601, 602, 603], vec![5, 700]]);
+        assert!(matches!(spill.get(sets[2]), Some(Members::Few(_))), "a short far-apart set stays a list");
+        assert!(matches!(spill.get(sets[1]), Some(Members::Dense(_))), "a narrow set stays a bitset");
     }
 
     #[test]
