@@ -2,6 +2,7 @@
 //! slot, reused after the worker is removed, so that index entries hold workers as bits.
 
 use crate::hash::WorkerId;
+use crate::index::linear::prefetch_lines;
 use crate::seeded::SeededMap;
 use parking_lot::{Mutex, RwLock};
 use smallvec::SmallVec;
@@ -438,14 +439,34 @@ impl Spill {
         }
     }
 
+    /// Hints the CPU to fetch the members of `set` (a set of this owner), so that a write
+    /// applied soon finds them in cache.
+    #[inline]
+    pub fn prefetch(&self, set: WorkerSet) {
+        if !set.is_spilled() {
+            return;
+        }
+        let Some(slabs) = self.0.as_deref() else { return };
+        let i = (set.0 & SLAB_INDEX) as usize;
+        let entry = if set.0 & FEW != 0 {
+            slabs.few.get(i).map(|e| (e.as_ptr().cast(), std::mem::size_of_val(e)))
+        } else {
+            slabs.dense.get(i).map(|e| (e.as_ptr().cast(), std::mem::size_of_val(e)))
+        };
+        if let Some((at, len)) = entry {
+            prefetch_lines(at, len);
+        }
+    }
+
     /// Spilled sets alive.
     pub fn len(&self) -> usize {
         self.0.as_ref().map_or(0, |s| s.dense.len() + s.few.len())
     }
 
-    /// No spilled set alive.
+    /// No spilled set alive (the slabs go with the last one).
+    #[inline]
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        self.0.is_none()
     }
 }
 

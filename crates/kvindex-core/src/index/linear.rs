@@ -283,7 +283,7 @@ pub(crate) fn prefetch_raw<V>(ptr: *const u8, cap: usize, key: u64) {
 /// Hints the CPU to fetch every cache line of the `len` bytes at `from`. The address is only
 /// hinted, never dereferenced, so any address is harmless.
 #[inline]
-fn prefetch_lines(from: *const u8, len: usize) {
+pub(crate) fn prefetch_lines(from: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     for line in 0..(from as usize % 64 + len).div_ceil(64) {
         // SAFETY: prefetching is a hint and cannot fault, whatever the address.

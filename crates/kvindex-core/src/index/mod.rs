@@ -7,7 +7,7 @@
 //! Backends: [`positional::PositionalIndex`] (the default), [`radix::RadixIndex`] and the
 //! [`reference::ReferenceIndex`] model that the tests compare both against.
 
-mod linear;
+pub(crate) mod linear;
 pub mod positional;
 pub mod radix;
 pub mod reference;

@@ -129,6 +129,22 @@ impl<'a> WriteCursor<'a> {
     }
 }
 
+impl WriteCursor<'_> {
+    /// Starts fetching the spilled members of the entry (pos, prefix), if it is in the chunk
+    /// held: its set is known only once its slot is in cache, so this is a third prefetch
+    /// stage, `STAGE` blocks ahead, after the slot's own.
+    #[inline]
+    fn prefetch_members(&self, pos: u32, prefix: u64) {
+        let Some(levels) = self.guard.as_ref().filter(|_| self.chunk == pos as usize / CHUNK) else { return };
+        let level = &levels[pos as usize % CHUNK];
+        if !level.spill.is_empty() {
+            if let Some(&set) = level.table.get(prefix) {
+                level.spill.prefetch(set);
+            }
+        }
+    }
+}
+
 impl Drop for WriteCursor<'_> {
     fn drop(&mut self) {
         if self.entries != 0 {
@@ -223,6 +239,9 @@ const TRIM_ABOVE: usize = 16;
 
 /// How far ahead of the block being applied its reverse-map slot is prefetched.
 const PREFETCH: usize = 8;
+/// How far ahead of the block being applied the spilled members of its entry are prefetched
+/// (its slot, prefetched `PREFETCH` ahead, has arrived by then).
+const STAGE: usize = PREFETCH / 2;
 
 impl PositionalWriter {
     fn holey(&self) -> bool {
@@ -700,11 +719,12 @@ impl PositionalIndex {
         w.more_children = SeededMap::default();
     }
 
-    /// A removal's two-stage prefetch before its `n`-th block (`key(i)`: the i-th block's
-    /// hash): the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that
-    /// record being in cache by now, the index entry and the parent's record D ahead.
+    /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
+    /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
+    /// being in cache by now, the index entry and the parent's record D ahead, then the
+    /// entry's spilled members `STAGE` ahead.
     #[inline]
-    fn prefetch_removal(&self, w: &PositionalWriter, n: usize, key: impl Fn(usize) -> Option<u64>) {
+    fn prefetch_removal(&self, cur: &WriteCursor<'_>, w: &PositionalWriter, n: usize, key: impl Fn(usize) -> Option<u64>) {
         let far = n + 2 * PREFETCH;
         for i in if n == 0 { 0 } else { far }..=far {
             if let Some(h) = key(i) {
@@ -714,6 +734,9 @@ impl PositionalIndex {
         if let Some(rec) = key(n + PREFETCH).and_then(|h| w.blocks.get(h)) {
             self.prefetch_entry(rec.pos, rec.prefix);
             w.blocks.prefetch(rec.parent);
+        }
+        if let Some(rec) = key(n + STAGE).and_then(|h| w.blocks.get(h)) {
+            cur.prefetch_members(rec.pos, rec.prefix);
         }
     }
 
@@ -867,6 +890,9 @@ impl KvIndex for PositionalIndex {
                 w.blocks.prefetch(ahead.block_hash.0);
                 self.prefetch_entry(start + (n + PREFETCH) as u32, chain[n + PREFETCH]);
             }
+            if let Some(&prefix) = chain.get(n + STAGE) {
+                cur.prefetch_members(start + (n + STAGE) as u32, prefix);
+            }
             let hash = b.block_hash.0;
             let prefix = chain[n];
             if let Some(&old) = w.blocks.get(hash) {
@@ -916,7 +942,7 @@ impl KvIndex for PositionalIndex {
         let mut last = LAST.take();
         last.clear();
         for (n, h) in hashes.iter().enumerate() {
-            self.prefetch_removal(w, n, |i| hashes.get(i).map(|h| h.0));
+            self.prefetch_removal(&cur, w, n, |i| hashes.get(i).map(|h| h.0));
             let was_beyond = w.beyond.forget(*h);
             // A block with children would make a hole: such blocks go last, deepest first, so
             // that descendants this event removes too are gone before a subtree is hidden.
@@ -940,7 +966,7 @@ impl KvIndex for PositionalIndex {
             last.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
         }
         for (n, &(_, h)) in last.iter().enumerate() {
-            self.prefetch_removal(w, n, |i| last.get(i).map(|b| b.1));
+            self.prefetch_removal(&cur, w, n, |i| last.get(i).map(|b| b.1));
             match w.blocks.remove(h) {
                 Some(rec) => {
                     self.remove_rec(&mut cur, w, h, rec);
