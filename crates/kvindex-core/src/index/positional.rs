@@ -23,12 +23,11 @@ use super::{
     SavedParent, WorkerMatch,
 };
 use crate::hash::{extend_chain, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
-use crate::seeded::{SeededMap, SeededState};
+use crate::seeded::SeededMap;
 use crate::workers::{Slot, SlotBits, Spill, WorkerRegistry, WorkerSet};
 use parking_lot::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 use smallvec::SmallVec;
 use std::cell::{Cell, RefCell};
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, AtomicPtr, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
@@ -205,6 +204,14 @@ impl Rec {
     }
 }
 
+/// One word for a place (position, prefix hash). Two places of one worker share a word with
+/// odds of about 2^-64 a pair; if they do, the worker is taken for an alias and tangled: its
+/// lookups stay exact, only slower.
+#[inline]
+fn place_key((pos, prefix): (u32, u64)) -> u64 {
+    prefix ^ (u64::from(pos) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
 /// Engine hashes of a parent's extra children, or of the orphans waiting at one place: most
 /// such lists hold one block (a hole in a chain), kept without an allocation.
 type Siblings = SmallVec<[u64; 1]>;
@@ -220,10 +227,11 @@ pub struct PositionalWriter {
     /// Orphans (held blocks whose parent is not held) by the place (position, prefix) of the
     /// parent they wait for: a block stored there, under any engine hash, adopts them.
     waiting: SeededMap<(u32, u64), Siblings>,
-    /// Places of its hidden blocks: a second engine hash at one of them is an alias, seen as
-    /// it is hidden (hidden copies can hang under different hidden parents, so no sibling
-    /// scan finds them all).
-    hidden: HashSet<(u32, u64), SeededState>,
+    /// Places of its hidden blocks, by [`place_key`]: a second engine hash at one of them is
+    /// an alias, seen as it is hidden (hidden copies can hang under different hidden parents,
+    /// so no sibling scan finds them all). One probe per hide or show, where a set of pairs
+    /// took two (control bytes, then the bucket).
+    hidden: LinearMap<()>,
     /// Set when one place is held under two engine hashes at once (an alias), which the
     /// links cannot follow: nothing is hidden and lookups check the worker position by
     /// position, until it is cleared.
@@ -252,9 +260,6 @@ impl PositionalWriter {
     /// what it holds, not room for the most holes it ever had (small ones stay, so a worker
     /// whose one hole opens and closes does not allocate each time).
     fn trim(&mut self) {
-        if self.hidden.is_empty() && self.hidden.capacity() > TRIM_ABOVE {
-            self.hidden = HashSet::default();
-        }
         if self.waiting.is_empty() && self.waiting.capacity() > TRIM_ABOVE {
             self.waiting = SeededMap::default();
         }
@@ -549,7 +554,7 @@ impl PositionalIndex {
         if hidden {
             rec.meta |= HIDDEN;
             cur.hidden += 1;
-            clean &= w.hidden.insert(place);
+            clean &= w.hidden.insert(place_key(place), ()).is_none();
         }
         w.blocks.insert(hash, rec);
         if !hidden && !self.index_add(cur, pos, prefix, w.slot) {
@@ -592,7 +597,7 @@ impl PositionalIndex {
             return;
         }
         if rec.hidden() {
-            w.hidden.remove(&rec.place());
+            w.hidden.remove(place_key(rec.place()));
             cur.hidden -= 1;
         } else {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
@@ -674,10 +679,10 @@ impl PositionalIndex {
             self.prefetch_entry(rec.pos, rec.prefix);
             places.push(rec.place());
             if show {
-                w.hidden.remove(&rec.place());
+                w.hidden.remove(place_key(rec.place()));
                 cur.hidden -= 1;
             } else {
-                clean &= w.hidden.insert(rec.place());
+                clean &= w.hidden.insert(place_key(rec.place()), ()).is_none();
                 cur.hidden += 1;
             }
             if deeper {
@@ -702,7 +707,7 @@ impl PositionalIndex {
     /// from now on, until it is cleared.
     fn tangle(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter) {
         w.tangled = true;
-        if !w.hidden.is_empty() {
+        if w.hidden.len() > 0 {
             let hidden: Vec<u64> = w.blocks.iter().filter(|(_, r)| r.hidden()).map(|(h, _)| h).collect();
             for h in hidden {
                 let Some(r) = w.blocks.get_mut(h) else { continue };
@@ -714,7 +719,7 @@ impl PositionalIndex {
                 }
             }
         }
-        w.hidden = HashSet::default();
+        w.hidden = LinearMap::default();
         w.waiting = SeededMap::default();
         w.more_children = SeededMap::default();
     }
@@ -832,7 +837,7 @@ impl KvIndex for PositionalIndex {
             blocks: LinearMap::default(),
             more_children: SeededMap::default(),
             waiting: SeededMap::default(),
-            hidden: HashSet::default(),
+            hidden: LinearMap::default(),
             tangled: false,
             aliases: SeededMap::default(),
             beyond: Beyond::default(),
@@ -998,7 +1003,7 @@ impl KvIndex for PositionalIndex {
         w.blocks = LinearMap::default();
         w.more_children = SeededMap::default();
         w.waiting = SeededMap::default();
-        w.hidden = HashSet::default();
+        w.hidden = LinearMap::default();
         w.aliases = SeededMap::default();
         w.beyond.clear();
         w.tangled = false;
