@@ -6,7 +6,7 @@ use crate::index::linear::prefetch_lines;
 use crate::seeded::SeededMap;
 use parking_lot::{Mutex, RwLock};
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// A worker's dense slot number.
 pub type Slot = u32;
@@ -18,6 +18,9 @@ pub struct WorkerRegistry {
     ids: RwLock<Vec<Option<WorkerId>>>,
     /// Slots that lookups must check position by position (a tangled positional writer).
     holey: Box<[AtomicU64]>,
+    /// Set once a slot past the first inline window is handed out: only then can a worker set
+    /// spill, so writers skip prefetching spilled members before.
+    wide: AtomicBool,
 }
 
 #[derive(Default)]
@@ -44,6 +47,7 @@ impl WorkerRegistry {
             inner: Mutex::new(RegistryInner::default()),
             ids: RwLock::new(Vec::new()),
             holey: (0..words).map(|_| AtomicU64::new(0)).collect(),
+            wide: AtomicBool::new(false),
         }
     }
 
@@ -67,6 +71,9 @@ impl WorkerRegistry {
             None => return Err(RegistryError::Full(self.capacity)),
         };
         inner.by_id.insert(id, slot);
+        if slot >= WINDOW_BITS {
+            self.wide.store(true, Ordering::Relaxed);
+        }
         let mut ids = self.ids.write();
         if ids.len() <= slot as usize {
             ids.resize(slot as usize + 1, None);
@@ -90,6 +97,12 @@ impl WorkerRegistry {
     /// The slot of `id`, if it has one.
     pub fn slot(&self, id: WorkerId) -> Option<Slot> {
         self.inner.lock().by_id.get(&id).copied()
+    }
+
+    /// Whether worker sets may have spilled: a slot past the first inline window was handed out.
+    #[inline]
+    pub fn may_spill(&self) -> bool {
+        self.wide.load(Ordering::Relaxed)
     }
 
     /// Number of workers holding a slot.

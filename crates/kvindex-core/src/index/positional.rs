@@ -740,7 +740,7 @@ impl PositionalIndex {
             self.prefetch_entry(rec.pos, rec.prefix);
             w.blocks.prefetch(rec.parent);
         }
-        if let Some(rec) = key(n + STAGE).and_then(|h| w.blocks.get(h)) {
+        if let Some(rec) = key(n + STAGE).filter(|_| self.registry.may_spill()).and_then(|h| w.blocks.get(h)) {
             cur.prefetch_members(rec.pos, rec.prefix);
         }
     }
@@ -885,6 +885,7 @@ impl KvIndex for PositionalIndex {
             self.prefetch_entry(pos + n as u32, chain[n]);
         }
         let start = pos;
+        let wide = self.registry.may_spill();
         let mut cur = WriteCursor::new(self);
         for (n, b) in blocks.iter().enumerate() {
             if pos >= self.cfg.max_depth {
@@ -895,7 +896,7 @@ impl KvIndex for PositionalIndex {
                 w.blocks.prefetch(ahead.block_hash.0);
                 self.prefetch_entry(start + (n + PREFETCH) as u32, chain[n + PREFETCH]);
             }
-            if let Some(&prefix) = chain.get(n + STAGE) {
+            if let Some(&prefix) = chain.get(n + STAGE).filter(|_| wide) {
                 cur.prefetch_members(start + (n + STAGE) as u32, prefix);
             }
             let hash = b.block_hash.0;
