@@ -325,6 +325,9 @@ struct FlatSlab<T> {
     items: Vec<T>,
     /// Items per entry: as many as the widest entry has needed.
     stride: usize,
+    /// Entries, used and freed (kept, not divided out of `items`: a division costs more than
+    /// the rest of a membership change).
+    entries: usize,
     /// Freed entries.
     free: Vec<u32>,
     /// What an unused item holds.
@@ -333,15 +336,11 @@ struct FlatSlab<T> {
 
 impl<T: Copy + PartialEq> FlatSlab<T> {
     fn new(blank: T) -> Self {
-        FlatSlab { items: Vec::new(), stride: 0, free: Vec::new(), blank }
-    }
-
-    fn entries(&self) -> usize {
-        self.items.len().checked_div(self.stride).unwrap_or(0)
+        FlatSlab { items: Vec::new(), stride: 0, entries: 0, free: Vec::new(), blank }
     }
 
     fn len(&self) -> usize {
-        self.entries() - self.free.len()
+        self.entries - self.free.len()
     }
 
     fn get(&self, i: usize) -> Option<&[T]> {
@@ -357,7 +356,7 @@ impl<T: Copy + PartialEq> FlatSlab<T> {
         if stride <= self.stride {
             return;
         }
-        let mut items = vec![self.blank; self.entries() * stride];
+        let mut items = vec![self.blank; self.entries * stride];
         if self.stride > 0 {
             for (to, from) in items.chunks_exact_mut(stride).zip(self.items.chunks_exact(self.stride)) {
                 to[..from.len()].copy_from_slice(from);
@@ -374,7 +373,8 @@ impl<T: Copy + PartialEq> FlatSlab<T> {
             Some(i) => i as usize,
             None => {
                 self.items.resize(self.items.len() + self.stride, self.blank);
-                self.entries() - 1
+                self.entries += 1;
+                self.entries - 1
             }
         };
         (i as u64, &mut self.items[i * self.stride..(i + 1) * self.stride])
@@ -536,7 +536,7 @@ impl WorkerSet {
         let Some(slabs) = spill.0.as_deref_mut() else { return false };
         let i = (self.0 & SLAB_INDEX) as usize;
         if self.0 & FEW == 0 {
-            if i >= slabs.dense.entries() {
+            if i >= slabs.dense.entries {
                 return false;
             }
             slabs.dense.widen(slot as usize / 64 + 1);
@@ -856,7 +856,7 @@ mod tests {
         c.insert_spilling(0, &mut spill);
         c.insert_spilling(255, &mut spill);
         assert_eq!(spill.len(), 2);
-        assert_eq!(spill.0.as_ref().map(|s| s.dense.entries()), Some(2));
+        assert_eq!(spill.0.as_ref().map(|s| s.dense.entries), Some(2));
         alive.fill(256);
         b.and_into_spilling(&spill, &mut alive);
         assert_eq!(alive.iter().collect::<Vec<_>>(), vec![2, 101, 201]);
