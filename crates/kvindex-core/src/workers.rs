@@ -322,6 +322,7 @@ const NO_SLOT: Slot = Slot::MAX;
 /// are reused; an entry that needs more room widens them all, which a level pays once per
 /// width, not per change.
 struct FlatSlab<T> {
+    /// Every entry's items, entry `i` from `i * stride`.
     items: Vec<T>,
     /// Items per entry: as many as the widest entry has needed.
     stride: usize,
@@ -334,7 +335,7 @@ struct FlatSlab<T> {
     blank: T,
 }
 
-impl<T: Copy + PartialEq> FlatSlab<T> {
+impl<T: Copy> FlatSlab<T> {
     fn new(blank: T) -> Self {
         FlatSlab { items: Vec::new(), stride: 0, entries: 0, free: Vec::new(), blank }
     }
