@@ -381,6 +381,13 @@ impl<T: Copy> FlatSlab<T> {
         (i as u64, &mut self.items[i * self.stride..(i + 1) * self.stride])
     }
 
+    /// Hints the CPU to fetch entry `i`.
+    fn prefetch(&self, i: usize) {
+        if let Some(entry) = self.get(i) {
+            prefetch_lines(entry.as_ptr().cast(), std::mem::size_of_val(entry));
+        }
+    }
+
     fn release(&mut self, i: u64) {
         let blank = self.blank;
         if let Some(entry) = self.get_mut(i as usize) {
@@ -462,13 +469,10 @@ impl Spill {
         }
         let Some(slabs) = self.0.as_deref() else { return };
         let i = (set.0 & SLAB_INDEX) as usize;
-        let entry = if set.0 & FEW != 0 {
-            slabs.few.get(i).map(|e| (e.as_ptr().cast(), std::mem::size_of_val(e)))
+        if set.0 & FEW != 0 {
+            slabs.few.prefetch(i);
         } else {
-            slabs.dense.get(i).map(|e| (e.as_ptr().cast(), std::mem::size_of_val(e)))
-        };
-        if let Some((at, len)) = entry {
-            prefetch_lines(at, len);
+            slabs.dense.prefetch(i);
         }
     }
 
@@ -490,7 +494,7 @@ impl Slabs {
             Some(&last) if !few_fits(slots.len(), last) => {
                 let (i, entry) = self.dense.alloc(last as usize / 64 + 1);
                 for &s in slots {
-                    entry[s as usize / 64] |= 1 << (s % 64);
+                    set_bit(entry, s);
                 }
                 WorkerSet(WorkerSet::SPILLED.0 | i)
             }
@@ -541,10 +545,7 @@ impl WorkerSet {
                 return false;
             }
             slabs.dense.widen(slot as usize / 64 + 1);
-            let Some(word) = slabs.dense.get_mut(i).and_then(|e| e.get_mut(slot as usize / 64)) else { return false };
-            let had = *word & (1 << (slot % 64)) != 0;
-            *word |= 1 << (slot % 64);
-            return !had;
+            return slabs.dense.get_mut(i).is_some_and(|bits| set_bit(bits, slot));
         }
         let Some(entry) = slabs.few.get(i) else { return false };
         let list = listed(entry);
@@ -578,21 +579,20 @@ impl WorkerSet {
         let inline = if self.0 & FEW != 0 {
             match slabs.few.get_mut(i) {
                 Some(entry) => {
-                    let len = listed(entry).len();
+                    let mut len = listed(entry).len();
                     if let Ok(at) = entry[..len].binary_search(&slot) {
                         entry[at..len].rotate_left(1);
-                        entry[len - 1] = NO_SLOT;
+                        len -= 1;
+                        entry[len] = NO_SLOT;
                     }
-                    WorkerSet::from_slots(listed(entry))
+                    WorkerSet::from_slots(&entry[..len])
                 }
                 None => Some(WorkerSet::EMPTY),
             }
         } else {
             match slabs.dense.get_mut(i) {
                 Some(bits) => {
-                    if let Some(word) = bits.get_mut(slot as usize / 64) {
-                        *word &= !(1 << (slot % 64));
-                    }
+                    clear_bit(bits, slot);
                     let inline = WorkerSet::from_words(bits);
                     if inline.is_none() && last_of(bits).is_some_and(|last| few_fits(2 * count_of(bits), last)) {
                         let slots: SmallVec<[Slot; 64]> = iter_of(bits).collect();
@@ -648,6 +648,25 @@ fn first_of(words: &[u64]) -> Option<Slot> {
 fn last_of(words: &[u64]) -> Option<Slot> {
     let i = words.iter().rposition(|&w| w != 0)?;
     Some(i as Slot * 64 + 63 - words[i].leading_zeros())
+}
+
+/// Adds `slot` to the bitset `words` (wide enough for it); whether it was new.
+fn set_bit(words: &mut [u64], slot: Slot) -> bool {
+    let Some(word) = words.get_mut(slot as usize / 64) else { return false };
+    let had = *word & (1 << (slot % 64)) != 0;
+    *word |= 1 << (slot % 64);
+    !had
+}
+
+/// Removes `slot` from the bitset `words`; whether it was there.
+fn clear_bit(words: &mut [u64], slot: Slot) -> bool {
+    match words.get_mut(slot as usize / 64) {
+        Some(word) if *word & (1 << (slot % 64)) != 0 => {
+            *word &= !(1 << (slot % 64));
+            true
+        }
+        _ => false,
+    }
 }
 
 /// Number of members of the bitset `words`.
@@ -714,19 +733,12 @@ impl SlotBits {
         if self.words.len() <= w {
             self.words.resize(w + 1, 0);
         }
-        self.words[w] |= 1 << (slot % 64);
+        set_bit(&mut self.words, slot);
     }
 
     /// Removes `slot`; whether it was there.
     pub fn remove(&mut self, slot: Slot) -> bool {
-        let w = (slot / 64) as usize;
-        match self.words.get_mut(w) {
-            Some(word) if *word & (1 << (slot % 64)) != 0 => {
-                *word &= !(1 << (slot % 64));
-                true
-            }
-            _ => false,
-        }
+        clear_bit(&mut self.words, slot)
     }
 
     /// Whether `slot` is a member.

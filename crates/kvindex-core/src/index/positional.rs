@@ -126,9 +126,7 @@ impl<'a> WriteCursor<'a> {
         let levels = self.guard.as_mut()?;
         Some((&mut levels[pos as usize % CHUNK], &chunk.hints[pos as usize % CHUNK]))
     }
-}
 
-impl WriteCursor<'_> {
     /// Starts fetching the spilled members of the entry (pos, prefix), if it is in the chunk
     /// held: its set is known only once its slot is in cache, so removals do this `STAGE`
     /// blocks ahead, after the slot's own prefetch. Stores skip it: measured, it gained
@@ -248,7 +246,7 @@ const TRIM_ABOVE: usize = 16;
 
 /// How far ahead of the block being applied its reverse-map slot is prefetched.
 const PREFETCH: usize = 8;
-/// How far ahead of the block being applied the spilled members of its entry are prefetched
+/// How far ahead of the block being removed the spilled members of its entry are prefetched
 /// (its slot, prefetched `PREFETCH` ahead, has arrived by then).
 const STAGE: usize = PREFETCH / 2;
 
