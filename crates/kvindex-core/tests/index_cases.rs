@@ -264,3 +264,35 @@ fn hidden_copies_under_hidden_copies_stay_exact<I: KvIndex>(index: I) {
     index.store(&mut w, None, &chain([0], [0]));
     assert_eq!(depths(&index, &[0, 0, 0, 1], &MatchOptions::default()), vec![(0, 0, 4)]);
 }
+
+// Orphans of one removed branch point wait at one place; removing them in any order keeps
+// the positional index's hole bookkeeping exact without giving up on the worker: the other
+// hole stays hidden (a worker it gives up on shows every hidden block: `hidden` drops to 0).
+#[test]
+fn orphans_of_one_branch_point_leave_in_any_order() {
+    let index = PositionalIndex::new(PositionalConfig { jump: 8, ..Default::default() });
+    let mut w = index.writer(WorkerId::new(6, 0)).unwrap();
+    let all = MatchOptions::default();
+    // Block 2 has four children, each with a child of its own; a second chain has a hole.
+    index.store(&mut w, None, &chain([1, 2], [10, 20]));
+    for k in 0..4 {
+        index.store(&mut w, Some(BlockHash(2)), &chain([30 + k, 40 + k], [30 + k, 40 + k]));
+    }
+    index.store(&mut w, None, &chain([50, 51, 52], [50, 51, 52]));
+    index.remove(&mut w, &[BlockHash(51)]);
+    index.remove(&mut w, &[BlockHash(2)]);
+    assert_eq!(index.stats().hidden, 9);
+    // The first orphan goes (the last one takes its turn), then that one, then a middle one.
+    index.remove(&mut w, &[BlockHash(30)]);
+    index.remove(&mut w, &[BlockHash(33)]);
+    index.remove(&mut w, &[BlockHash(31)]);
+    assert_eq!(index.stats().hidden, 6);
+    assert_eq!(depths(&index, &[10, 20, 32, 42], &all), vec![(6, 0, 1)]);
+    // Filling the hole shows the one orphan left and its child; the children of the removed
+    // orphans (40, 41, 43) and the other hole (52) stay hidden.
+    index.store(&mut w, Some(BlockHash(1)), &chain([2], [20]));
+    assert_eq!(depths(&index, &[10, 20, 32, 42], &all), vec![(6, 0, 4)]);
+    assert_eq!(depths(&index, &[10, 20, 30, 40], &all), vec![(6, 0, 2)]);
+    assert_eq!(index.stats().hidden, 4);
+    assert_eq!(depths(&index, &[50, 51, 52], &all), vec![(6, 0, 1)]);
+}

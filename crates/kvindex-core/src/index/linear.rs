@@ -92,6 +92,10 @@ impl<V: Copy + Default> LinearMap<V> {
         self.used + self.zero.is_some() as usize
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     #[inline]
     pub fn get(&self, key: u64) -> Option<&V> {
         if key == EMPTY {

@@ -172,8 +172,9 @@ const HIDDEN: u32 = 1 << 30;
 const ORPHAN: u32 = 1 << 29;
 /// `Rec::meta` bits: the block has children past the first (in `more_children`).
 const HAS_MORE: u32 = 1 << 28;
-/// `Rec::meta` bits: 1 + its index in the list that holds it (its parent's `more_children`,
-/// or its wait list), 0 if it is its parent's first child or a root.
+/// `Rec::meta` bits: 1 + its index in the list that holds it (its parent's `more_children`),
+/// 0 if it is its parent's first child or a root; for an orphan, 1 if it is the first of its
+/// place in `waiting`, 2 + its index in `more_waiting` otherwise.
 const SIB_MASK: u32 = HAS_MORE - 1;
 /// Most blocks one hole may hide or show (the reference trace needs under 200, with every
 /// block in one worker): a publisher that builds a bigger subtree in one jump window gets its
@@ -223,9 +224,13 @@ pub struct PositionalWriter {
     blocks: LinearMap<Rec>,
     /// Children past the first, by the parent's engine hash (only branch points have any).
     more_children: SeededMap<u64, Siblings>,
-    /// Orphans (held blocks whose parent is not held) by the place (position, prefix) of the
-    /// parent they wait for: a block stored there, under any engine hash, adopts them.
-    waiting: SeededMap<(u32, u64), Siblings>,
+    /// Orphans (held blocks whose parent is not held), the first of each place, by the
+    /// [`place_key`] of the parent's place they wait for: a block stored there, under any
+    /// engine hash, adopts them. One probe per check, as every store checks while any wait.
+    waiting: LinearMap<u64>,
+    /// The orphans past the first waiting at one place (the children of a removed branch
+    /// point), by the same key.
+    more_waiting: SeededMap<u64, Siblings>,
     /// Places of its hidden blocks, by [`place_key`]: a second engine hash at one of them is
     /// an alias, seen as it is hidden (hidden copies can hang under different hidden parents,
     /// so no sibling scan finds them all). One probe per hide or show, where a set of pairs
@@ -259,8 +264,8 @@ impl PositionalWriter {
     /// what it holds, not room for the most holes it ever had (small ones stay, so a worker
     /// whose one hole opens and closes does not allocate each time).
     fn trim(&mut self) {
-        if self.waiting.is_empty() && self.waiting.capacity() > TRIM_ABOVE {
-            self.waiting = SeededMap::default();
+        if self.more_waiting.is_empty() && self.more_waiting.capacity() > TRIM_ABOVE {
+            self.more_waiting = SeededMap::default();
         }
         if self.more_children.is_empty() && self.more_children.capacity() > TRIM_ABOVE {
             self.more_children = SeededMap::default();
@@ -273,39 +278,66 @@ impl PositionalWriter {
         }
     }
 
-    /// Appends `list` to the list at `key`, recording each one's index; false if an index no
-    /// longer fits (only a worker with hundreds of millions of blocks gets there).
-    fn push_all<K: std::hash::Hash + Eq>(
-        lists: &mut SeededMap<K, Siblings>,
-        blocks: &mut LinearMap<Rec>,
-        key: K,
-        list: &[u64],
-        orphan: Option<u64>,
-    ) -> bool {
-        let v = lists.entry(key).or_default();
-        for &h in list {
-            v.push(h);
-            if let Some(r) = blocks.get_mut(h) {
-                r.meta = (r.meta & !(SIB_MASK | ORPHAN)) | (v.len() as u32 & SIB_MASK);
-                if let Some(pp) = orphan {
-                    r.meta |= ORPHAN;
-                    r.parent = pp;
-                }
-            }
+    /// Puts `hash` in the wait list of the place `key`; its index there (see `SIB_MASK`).
+    fn wait(&mut self, key: u64, hash: u64) -> usize {
+        if self.waiting.upsert(key, hash).1 {
+            return 1;
         }
-        v.len() < SIB_MASK as usize
+        let v = self.more_waiting.entry(key).or_default();
+        v.push(hash);
+        v.len() + 1
     }
 
-    /// Removes entry `idx - 1` of the list at `key`, moving the last one into its place;
-    /// whether the list is gone.
+    /// The held block `hash` becomes an orphan waiting for its parent's place (`pos - 1`,
+    /// `parent`); false if its index no longer fits (only a worker with hundreds of millions
+    /// of blocks gets there).
+    fn orphan(&mut self, hash: u64, pos: u32, parent: u64) -> bool {
+        let idx = self.wait(place_key((pos.wrapping_sub(1), parent)), hash);
+        if let Some(r) = self.blocks.get_mut(hash) {
+            r.meta = (r.meta & !SIB_MASK) | ORPHAN | (idx as u32 & SIB_MASK);
+            r.parent = parent;
+        }
+        idx < SIB_MASK as usize
+    }
+
+    /// Takes the orphan with index `idx` out of the wait list of the place `key`.
+    fn unwait(&mut self, key: u64, idx: u32) {
+        if idx > 1 {
+            Self::swap_out(&mut self.more_waiting, &mut self.blocks, key, idx, 2);
+            return;
+        }
+        let next = match self.more_waiting.get_mut(&key) {
+            Some(v) => {
+                let last = v.pop();
+                if v.is_empty() {
+                    self.more_waiting.remove(&key);
+                }
+                last
+            }
+            None => None,
+        };
+        match next {
+            Some(h) => {
+                self.waiting.insert(key, h);
+                self.set_sib(h, 1);
+            }
+            None => {
+                self.waiting.remove(key);
+            }
+        }
+    }
+
+    /// Removes the entry with index `idx` from the list at `key` (whose entry 0 has index
+    /// `first`), moving the last one into its place; whether the list is gone.
     fn swap_out<K: std::hash::Hash + Eq>(
         lists: &mut SeededMap<K, Siblings>,
         blocks: &mut LinearMap<Rec>,
         key: K,
         idx: u32,
+        first: u32,
     ) -> bool {
         let Some(v) = lists.get_mut(&key) else { return true };
-        let i = (idx as usize).wrapping_sub(1);
+        let i = (idx as usize).wrapping_sub(first as usize);
         if i >= v.len() {
             return false;
         }
@@ -335,10 +367,14 @@ impl PositionalWriter {
             }
         } else {
             p.meta |= HAS_MORE;
+            let v = self.more_children.entry(parent).or_default();
+            v.push(child);
+            let idx = v.len();
             if let Some(c) = self.blocks.get_mut(child) {
                 c.parent = parent;
+                c.meta = (c.meta & !(SIB_MASK | ORPHAN)) | (idx as u32 & SIB_MASK);
             }
-            return Self::push_all(&mut self.more_children, &mut self.blocks, parent, &[child], None);
+            return idx < SIB_MASK as usize;
         }
         true
     }
@@ -354,9 +390,9 @@ impl PositionalWriter {
     fn unlink(&mut self, rec: &Rec) {
         let idx = rec.meta & SIB_MASK;
         if rec.meta & ORPHAN != 0 {
-            Self::swap_out(&mut self.waiting, &mut self.blocks, (rec.pos.wrapping_sub(1), rec.parent), idx);
+            self.unwait(place_key((rec.pos.wrapping_sub(1), rec.parent)), idx);
         } else if rec.pos > 0 && idx > 0 {
-            if Self::swap_out(&mut self.more_children, &mut self.blocks, rec.parent, idx) {
+            if Self::swap_out(&mut self.more_children, &mut self.blocks, rec.parent, idx, 1) {
                 self.no_more(rec.parent);
             }
         } else if rec.pos > 0 {
@@ -398,6 +434,14 @@ impl PositionalWriter {
         if rec.meta & HAS_CHILD != 0 {
             self.blocks.prefetch(rec.first_child);
         }
+    }
+
+    /// Starts fetching what removing the block `rec` with children touches next: its first
+    /// child's record and the wait-list slot its children will be orphaned to.
+    #[inline]
+    fn prefetch_orphaning(&self, rec: &Rec) {
+        self.prefetch_first_child(rec);
+        self.waiting.prefetch(place_key(rec.place()));
     }
 
     /// Pushes the children of `hash` (its record `rec`) onto `out`.
@@ -543,10 +587,9 @@ impl PositionalIndex {
             }
             Some(ParentRef { prefix: pp, held: false, .. }) => {
                 rec.parent = pp;
-                let v = w.waiting.entry((pos - 1, pp)).or_default();
-                v.push(hash);
-                rec.meta = ORPHAN | (v.len() as u32 & SIB_MASK);
-                clean = v.len() < SIB_MASK as usize;
+                let idx = w.wait(place_key((pos - 1, pp)), hash);
+                rec.meta = ORPHAN | (idx as u32 & SIB_MASK);
+                clean = idx < SIB_MASK as usize;
                 true
             }
         };
@@ -561,15 +604,23 @@ impl PositionalIndex {
             clean = false;
         }
         if !w.waiting.is_empty() {
-            if let Some(orphans) = w.waiting.remove(&place) {
-                for &o in &orphans {
-                    clean &= w.link(hash, o);
+            let key = place_key(place);
+            if let Some(first) = w.waiting.remove(key) {
+                let mut orphans = STACK.take();
+                orphans.clear();
+                orphans.push(first);
+                if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.remove(&key) } {
+                    orphans.extend_from_slice(&more);
                 }
-                if !(hidden && self.same_window(rec.pos)) {
-                    let mut stack = STACK.take();
-                    stack.clear();
-                    stack.extend_from_slice(&orphans);
-                    clean &= self.reveal(cur, w, stack);
+                for &o in &orphans {
+                    // A key shared by two places (odds about 2^-64) mixes their orphans.
+                    let waits_here = w.blocks.get(o).is_some_and(|r| r.pos == pos + 1 && r.parent == prefix);
+                    clean &= waits_here && w.link(hash, o);
+                }
+                if hidden && self.same_window(rec.pos) {
+                    STACK.set(orphans);
+                } else {
+                    clean &= self.reveal(cur, w, orphans);
                 }
             }
         }
@@ -616,7 +667,10 @@ impl PositionalIndex {
             self.tangle(cur, w);
             return;
         }
-        let fits = PositionalWriter::push_all(&mut w.waiting, &mut w.blocks, rec.place(), &kids, Some(rec.prefix));
+        let mut fits = true;
+        for &k in &kids {
+            fits &= w.orphan(k, rec.pos + 1, rec.prefix);
+        }
         if !self.hide(cur, w, kids) || !fits {
             self.tangle(cur, w);
         }
@@ -643,9 +697,9 @@ impl PositionalIndex {
         self.walk(cur, w, stack, true)
     }
 
-    /// The walk of [`Self::hide`] (`show` false) and [`Self::reveal`]. The index entries are
-    /// updated after the walk, their fetches started during it, so that they overlap one
-    /// another rather than each wait for the one before.
+    /// The walk of [`Self::hide`] (`show` false) and [`Self::reveal`]. The hidden set and the
+    /// index entries are updated after the walk, their fetches started during it, so that
+    /// they overlap one another rather than each wait for the one before.
     fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>, show: bool) -> bool {
         let mut clean = true;
         let mut walked = 0;
@@ -676,16 +730,19 @@ impl PositionalIndex {
                 w.prefetch_first_child(&rec);
             }
             self.prefetch_entry(rec.pos, rec.prefix);
+            w.hidden.prefetch(place_key(rec.place()));
             places.push(rec.place());
-            if show {
-                w.hidden.remove(place_key(rec.place()));
-                cur.hidden -= 1;
-            } else {
-                clean &= w.hidden.insert(place_key(rec.place()), ()).is_none();
-                cur.hidden += 1;
-            }
             if deeper {
                 w.children_into(h, &rec, &mut stack);
+            }
+        }
+        for &place in &places {
+            if show {
+                w.hidden.remove(place_key(place));
+                cur.hidden -= 1;
+            } else {
+                clean &= w.hidden.insert(place_key(place), ()).is_none();
+                cur.hidden += 1;
             }
         }
         for &(pos, prefix) in &places {
@@ -706,7 +763,7 @@ impl PositionalIndex {
     /// from now on, until it is cleared.
     fn tangle(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter) {
         w.tangled = true;
-        if w.hidden.len() > 0 {
+        if !w.hidden.is_empty() {
             let hidden: Vec<u64> = w.blocks.iter().filter(|(_, r)| r.hidden()).map(|(h, _)| h).collect();
             for h in hidden {
                 let Some(r) = w.blocks.get_mut(h) else { continue };
@@ -719,7 +776,8 @@ impl PositionalIndex {
             }
         }
         w.hidden = LinearMap::default();
-        w.waiting = SeededMap::default();
+        w.waiting = LinearMap::default();
+        w.more_waiting = SeededMap::default();
         w.more_children = SeededMap::default();
     }
 
@@ -835,7 +893,8 @@ impl KvIndex for PositionalIndex {
             slot,
             blocks: LinearMap::default(),
             more_children: SeededMap::default(),
-            waiting: SeededMap::default(),
+            waiting: LinearMap::default(),
+            more_waiting: SeededMap::default(),
             hidden: LinearMap::default(),
             tangled: false,
             aliases: SeededMap::default(),
@@ -968,6 +1027,9 @@ impl KvIndex for PositionalIndex {
         }
         for (n, &(_, h)) in last.iter().enumerate() {
             self.prefetch_removal(&cur, w, n, |i| last.get(i).map(|b| b.1));
+            if let Some(rec) = last.get(n + STAGE).and_then(|b| w.blocks.get(b.1)) {
+                w.prefetch_orphaning(rec);
+            }
             match w.blocks.remove(h) {
                 Some(rec) => {
                     self.remove_rec(&mut cur, w, h, rec);
@@ -998,7 +1060,8 @@ impl KvIndex for PositionalIndex {
         let was_holey = w.holey();
         w.blocks = LinearMap::default();
         w.more_children = SeededMap::default();
-        w.waiting = SeededMap::default();
+        w.waiting = LinearMap::default();
+        w.more_waiting = SeededMap::default();
         w.hidden = LinearMap::default();
         w.aliases = SeededMap::default();
         w.beyond.clear();
