@@ -20,8 +20,9 @@ struct Slot<V> {
     val: V,
 }
 
-/// Map from u64 keys to small `Copy` values.
-pub(crate) struct LinearMap<V: Copy + Default> {
+/// Map from u64 keys to small `Copy` values. With `SHRINK` false the table is only given
+/// back when it empties: for tables that grow and shrink by large factors all the time.
+pub(crate) struct LinearMap<V: Copy + Default, const SHRINK: bool = true> {
     slots: Vec<Slot<V>>,
     /// Keys in `slots` (not counting `zero`).
     used: usize,
@@ -30,7 +31,7 @@ pub(crate) struct LinearMap<V: Copy + Default> {
     seed: u64,
 }
 
-impl<V: Copy + Default> Default for LinearMap<V> {
+impl<V: Copy + Default, const SHRINK: bool> Default for LinearMap<V, SHRINK> {
     fn default() -> Self {
         LinearMap { slots: Vec::new(), used: 0, zero: None, seed: crate::seeded::process_seed() }
     }
@@ -44,7 +45,7 @@ fn home_of(key: u64, seed: u64, cap: usize) -> usize {
     ((mixed as u128 * cap as u128) >> 64) as usize
 }
 
-impl<V: Copy + Default> LinearMap<V> {
+impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     #[inline]
     fn home(&self, key: u64) -> usize {
         home_of(key, self.seed, self.slots.len())
@@ -219,7 +220,7 @@ impl<V: Copy + Default> LinearMap<V> {
         self.used -= 1;
         if self.used == 0 {
             self.slots = Vec::new();
-        } else if self.slots.len() > SHRINK_ABOVE && self.used * 16 < self.slots.len() * 3 {
+        } else if SHRINK && self.slots.len() > SHRINK_ABOVE && self.used * 16 < self.slots.len() * 3 {
             self.resize((self.used * 2).max(SHRINK_ABOVE));
         }
     }
@@ -377,5 +378,25 @@ mod tests {
         }
         assert_eq!(m.len(), 0);
         assert_eq!(m.heap_bytes(), 0);
+    }
+
+    #[test]
+    fn a_table_that_does_not_shrink_keeps_its_room_until_empty() {
+        let mut shrinks: LinearMap<u64> = LinearMap::default();
+        let mut keeps: LinearMap<u64, false> = LinearMap::default();
+        for i in 1..=4096u64 {
+            shrinks.insert(i, i);
+            keeps.insert(i, i);
+        }
+        let full = keeps.heap_bytes();
+        for i in 2..=4096u64 {
+            shrinks.remove(i);
+            keeps.remove(i);
+        }
+        assert!(shrinks.heap_bytes() < full / 8, "the default table shrinks: {} of {full}", shrinks.heap_bytes());
+        assert_eq!(keeps.heap_bytes(), full);
+        assert_eq!(keeps.get(1), Some(&1));
+        keeps.remove(1);
+        assert_eq!(keeps.heap_bytes(), 0);
     }
 }

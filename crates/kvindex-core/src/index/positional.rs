@@ -212,6 +212,11 @@ fn place_key((pos, prefix): (u32, u64)) -> u64 {
     prefix ^ (u64::from(pos) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
+/// The hole bookkeeping's tables (hidden places, waiting orphans): they swing by large
+/// factors as holes open and close, so they are given back only when empty (or cleared),
+/// never shrunk step by step; each entry is a held block, which bounds them.
+type HoleMap<V> = LinearMap<V, false>;
+
 /// Engine hashes of a parent's extra children, or of the orphans waiting at one place: most
 /// such lists hold one block (a hole in a chain), kept without an allocation.
 type Siblings = SmallVec<[u64; 1]>;
@@ -227,7 +232,7 @@ pub struct PositionalWriter {
     /// Orphans (held blocks whose parent is not held), the first of each place, by the
     /// [`place_key`] of the parent's place they wait for: a block stored there, under any
     /// engine hash, adopts them. One probe per check, as every store checks while any wait.
-    waiting: LinearMap<u64>,
+    waiting: HoleMap<u64>,
     /// The orphans past the first waiting at one place (the children of a removed branch
     /// point), by the same key.
     more_waiting: SeededMap<u64, Siblings>,
@@ -235,7 +240,7 @@ pub struct PositionalWriter {
     /// an alias, seen as it is hidden (hidden copies can hang under different hidden parents,
     /// so no sibling scan finds them all). One probe per hide or show, where a set of pairs
     /// took two (control bytes, then the bucket).
-    hidden: LinearMap<()>,
+    hidden: HoleMap<()>,
     /// Set when one place is held under two engine hashes at once (an alias), which the
     /// links cannot follow: nothing is hidden and lookups check the worker position by
     /// position, until it is cleared.
