@@ -788,8 +788,9 @@ impl PositionalIndex {
 
     /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
-    /// being in cache by now, the index entry and the parent's record D ahead, then the
-    /// entry's spilled members `STAGE` ahead.
+    /// being in cache by now, the index entry (for a hidden block, its hidden-set slot) and the
+    /// parent's record (for an orphan, its wait slot) D ahead, then the entry's spilled members
+    /// `STAGE` ahead.
     #[inline]
     fn prefetch_removal(&self, cur: &WriteCursor<'_>, w: &PositionalWriter, n: usize, key: impl Fn(usize) -> Option<u64>) {
         let far = n + 2 * PREFETCH;
@@ -799,8 +800,16 @@ impl PositionalIndex {
             }
         }
         if let Some(rec) = key(n + PREFETCH).and_then(|h| w.blocks.get(h)) {
-            self.prefetch_entry(rec.pos, rec.prefix);
-            w.blocks.prefetch(rec.parent);
+            if rec.hidden() {
+                w.hidden.prefetch(place_key(rec.place()));
+            } else {
+                self.prefetch_entry(rec.pos, rec.prefix);
+            }
+            if rec.meta & ORPHAN != 0 {
+                w.waiting.prefetch(place_key((rec.pos.wrapping_sub(1), rec.parent)));
+            } else {
+                w.blocks.prefetch(rec.parent);
+            }
         }
         if let Some(rec) = key(n + STAGE).filter(|_| self.registry.may_spill()).and_then(|h| w.blocks.get(h)) {
             cur.prefetch_members(rec.pos, rec.prefix);
