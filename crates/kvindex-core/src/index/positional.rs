@@ -741,21 +741,19 @@ impl PositionalIndex {
                 w.children_into(h, &rec, &mut stack);
             }
         }
-        for &place in &places {
-            if show {
-                w.hidden.remove(place_key(place));
-                cur.hidden -= 1;
-            } else {
-                clean &= w.hidden.insert(place_key(place), ()).is_none();
-                cur.hidden += 1;
-            }
-        }
         for &(pos, prefix) in &places {
-            if !show {
+            let key = place_key((pos, prefix));
+            if show {
+                w.hidden.remove(key);
+                cur.hidden -= 1;
+                if !self.index_add(cur, pos, prefix, w.slot) {
+                    *w.aliases.entry((pos, prefix)).or_default() += 1;
+                    clean = false;
+                }
+            } else {
+                clean &= w.hidden.insert(key, ()).is_none();
+                cur.hidden += 1;
                 self.index_remove(cur, pos, prefix, w.slot);
-            } else if !self.index_add(cur, pos, prefix, w.slot) {
-                *w.aliases.entry((pos, prefix)).or_default() += 1;
-                clean = false;
             }
         }
         PLACES.set(places);
