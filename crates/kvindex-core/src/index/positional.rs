@@ -202,6 +202,11 @@ impl Rec {
     fn place(&self) -> (u32, u64) {
         (self.pos, self.prefix)
     }
+
+    /// For an orphan: the key of the place it waits for in `PositionalWriter::waiting`.
+    fn wait_key(&self) -> u64 {
+        place_key((self.pos.wrapping_sub(1), self.parent))
+    }
 }
 
 /// One word for a place (position, prefix hash). Two places of one worker share a word with
@@ -395,7 +400,7 @@ impl PositionalWriter {
     fn unlink(&mut self, rec: &Rec) {
         let idx = rec.meta & SIB_MASK;
         if rec.meta & ORPHAN != 0 {
-            self.unwait(place_key((rec.pos.wrapping_sub(1), rec.parent)), idx);
+            self.unwait(rec.wait_key(), idx);
         } else if rec.pos > 0 && idx > 0 {
             if Self::swap_out(&mut self.more_children, &mut self.blocks, rec.parent, idx, 1) {
                 self.no_more(rec.parent);
@@ -804,7 +809,7 @@ impl PositionalIndex {
                 self.prefetch_entry(rec.pos, rec.prefix);
             }
             if rec.meta & ORPHAN != 0 {
-                w.waiting.prefetch(place_key((rec.pos.wrapping_sub(1), rec.parent)));
+                w.waiting.prefetch(rec.wait_key());
             } else {
                 w.blocks.prefetch(rec.parent);
             }
