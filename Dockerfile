@@ -29,8 +29,8 @@ COPY data/traces/conversation_trace.jsonl data/traces/LICENSE-APACHE data/traces
 COPY --from=builder /build/target/release/kvindex /usr/local/bin/kvindex
 USER kvindex
 # glibc backs the index's large hash tables with transparent huge pages where the kernel grants
-# them on request (THP "madvise", the common default): fewer TLB misses on random probes
-# (docs/BENCHMARKS.md, "Huge pages"). Ignored where the kernel or glibc does not offer them.
+# them on request (THP "madvise", the common default), for fewer TLB misses on random probes;
+# the gain is host-dependent (docs/OPERATIONS.md, "Huge pages"). Ignored where not offered.
 ENV GLIBC_TUNABLES=glibc.malloc.hugetlb=1
 EXPOSE 9464
 HEALTHCHECK --interval=5s --timeout=3s --start-period=10s --retries=3 CMD ["kvindex", "health", "--path", "/readyz"]

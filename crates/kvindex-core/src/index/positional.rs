@@ -222,8 +222,8 @@ fn place_key((pos, prefix): (u32, u64)) -> u64 {
 /// never shrunk step by step; each entry is a held block, which bounds them.
 type HoleMap<V> = LinearMap<V, false>;
 
-/// Engine hashes of a parent's extra children, or of the orphans waiting at one place: most
-/// such lists hold one block (a hole in a chain), kept without an allocation.
+/// Engine hashes of a parent's children past the first, or of the orphans past the first
+/// waiting at one place: most such lists hold one block, kept without an allocation.
 type Siblings = SmallVec<[u64; 1]>;
 
 /// A worker's reverse map: engine block hash -> (position, prefix hash), with the links
@@ -298,14 +298,14 @@ impl PositionalWriter {
         v.len() + 1
     }
 
-    /// The held block `hash` becomes an orphan waiting for its parent's place (`pos - 1`,
-    /// `parent`); false if its index no longer fits (only a worker with hundreds of millions
-    /// of blocks gets there).
-    fn orphan(&mut self, hash: u64, pos: u32, parent: u64) -> bool {
-        let idx = self.wait(place_key((pos.wrapping_sub(1), parent)), hash);
+    /// The held block `hash` becomes an orphan waiting for its parent's place `waits_for`
+    /// (position, prefix); false if its index no longer fits (only a worker with hundreds of
+    /// millions of blocks gets there).
+    fn orphan(&mut self, hash: u64, waits_for: (u32, u64)) -> bool {
+        let idx = self.wait(place_key(waits_for), hash);
         if let Some(r) = self.blocks.get_mut(hash) {
             r.meta = (r.meta & !SIB_MASK) | ORPHAN | (idx as u32 & SIB_MASK);
-            r.parent = parent;
+            r.parent = waits_for.1;
         }
         idx < SIB_MASK as usize
     }
@@ -679,7 +679,7 @@ impl PositionalIndex {
         }
         let mut fits = true;
         for &k in &kids {
-            fits &= w.orphan(k, rec.pos + 1, rec.prefix);
+            fits &= w.orphan(k, rec.place());
         }
         if !self.hide(cur, w, kids) || !fits {
             self.tangle(cur, w);
@@ -793,9 +793,16 @@ impl PositionalIndex {
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
     /// being in cache by now, the index entry (for a hidden block, its hidden-set slot) and the
     /// parent's record (for an orphan, its wait slot) D ahead, then the entry's spilled members
-    /// `STAGE` ahead.
+    /// `STAGE` ahead, and for `deferred` blocks (those with children) what orphaning them reads.
     #[inline]
-    fn prefetch_removal(&self, cur: &WriteCursor<'_>, w: &PositionalWriter, n: usize, key: impl Fn(usize) -> Option<u64>) {
+    fn prefetch_removal(
+        &self,
+        cur: &WriteCursor<'_>,
+        w: &PositionalWriter,
+        n: usize,
+        deferred: bool,
+        key: impl Fn(usize) -> Option<u64>,
+    ) {
         let far = n + 2 * PREFETCH;
         for i in if n == 0 { 0 } else { far }..=far {
             if let Some(h) = key(i) {
@@ -814,8 +821,14 @@ impl PositionalIndex {
                 w.blocks.prefetch(rec.parent);
             }
         }
-        if let Some(rec) = key(n + STAGE).filter(|_| self.registry.may_spill()).and_then(|h| w.blocks.get(h)) {
-            cur.prefetch_members(rec.pos, rec.prefix);
+        let spill = self.registry.may_spill();
+        if let Some(rec) = key(n + STAGE).filter(|_| spill || deferred).and_then(|h| w.blocks.get(h)) {
+            if spill {
+                cur.prefetch_members(rec.pos, rec.prefix);
+            }
+            if deferred {
+                w.prefetch_orphaning(rec);
+            }
         }
     }
 
@@ -1019,7 +1032,7 @@ impl KvIndex for PositionalIndex {
         let mut last = LAST.take();
         last.clear();
         for (n, h) in hashes.iter().enumerate() {
-            self.prefetch_removal(&cur, w, n, |i| hashes.get(i).map(|h| h.0));
+            self.prefetch_removal(&cur, w, n, false, |i| hashes.get(i).map(|h| h.0));
             let was_beyond = w.beyond.forget(*h);
             // A block with children would make a hole: such blocks go last, deepest first, so
             // that descendants this event removes too are gone before a subtree is hidden.
@@ -1043,10 +1056,7 @@ impl KvIndex for PositionalIndex {
             last.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
         }
         for (n, &(_, h)) in last.iter().enumerate() {
-            self.prefetch_removal(&cur, w, n, |i| last.get(i).map(|b| b.1));
-            if let Some(rec) = last.get(n + STAGE).and_then(|b| w.blocks.get(b.1)) {
-                w.prefetch_orphaning(rec);
-            }
+            self.prefetch_removal(&cur, w, n, true, |i| last.get(i).map(|b| b.1));
             match w.blocks.remove(h) {
                 Some(rec) => {
                     self.remove_rec(&mut cur, w, h, rec);
