@@ -87,6 +87,32 @@ fn one_event_removing_a_block_before_its_descendants<I: KvIndex>(index: I) {
     assert_eq!(depths(&index, &locals, &MatchOptions::default()), vec![(4, 0, 40)]);
 }
 
+// One event with every kind of removal: a block named before its child, a run named deepest
+// first above a child that stays, a branch point keeping one child, a hidden block. Holes are
+// left only where children stay, and refilling them brings everything back.
+for_each_backend!(one_event_mixing_real_holes_and_blocks_that_go_with_their_children);
+fn one_event_mixing_real_holes_and_blocks_that_go_with_their_children<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(5, 0)).unwrap();
+    let all = MatchOptions::default();
+    let locals: Vec<u64> = (100..140).collect();
+    index.store(&mut w, None, &chain(1000..1040, locals.clone()));
+    index.store(&mut w, Some(BlockHash(1012)), &chain(3000..3005, 900..905));
+    let branch: Vec<u64> = locals[..13].iter().copied().chain(900..905).collect();
+    let mut event = vec![BlockHash(1005), BlockHash(1006)];
+    event.extend((1012..=1020).rev().map(BlockHash));
+    event.push(BlockHash(3002));
+    let out = index.remove(&mut w, &event);
+    assert_eq!((out.removed, out.unknown_removes), (12, 0));
+    assert_eq!(index.stats().placements, 33);
+    assert_eq!(depths(&index, &locals, &all), vec![(5, 0, 5)]);
+    assert_eq!(depths(&index, &branch, &all), vec![(5, 0, 5)]);
+    index.store(&mut w, Some(BlockHash(1004)), &chain(1005..1007, locals[5..7].iter().copied()));
+    assert_eq!(depths(&index, &locals, &all), vec![(5, 0, 12)]);
+    index.store(&mut w, Some(BlockHash(1011)), &chain(1012..1021, locals[12..21].iter().copied()));
+    assert_eq!(depths(&index, &locals, &all), vec![(5, 0, 40)]);
+    assert_eq!(depths(&index, &branch, &all), vec![(5, 0, 15)]);
+}
+
 // Engines hash content the same way everywhere: two workers share every engine hash.
 for_each_backend!(workers_sharing_engine_hashes_do_not_disturb_each_other);
 fn workers_sharing_engine_hashes_do_not_disturb_each_other<I: KvIndex>(index: I) {
