@@ -73,14 +73,17 @@ fn op_strategy_chains(workers: usize, hashes: u64, locals: u64, chain: usize) ->
 
 /// Hole-heavy streams: single blocks removed as often as chains are stored, parents picked
 /// among held blocks, and two locals only, so that a hole is often filled again at the same
-/// place under another engine hash, and copies of a hidden block meet there.
+/// place under another engine hash, and copies of a hidden block meet there. Some removals
+/// take several blocks at once, in any order, as engines evict: ancestors named before their
+/// descendants, and holes made in the same event as their ancestors leave.
 fn hole_strategy(workers: usize, hashes: u64, chain: usize) -> impl Strategy<Value = Op> {
     let w = 0..workers;
     let h = 0..hashes;
     prop_oneof![
         5 => (w.clone(), proptest::option::weighted(0.85, h.clone()), proptest::collection::vec((h.clone(), 0u64..2), 1..chain))
             .prop_map(|(worker, parent, blocks)| Op::Store { worker, parent, blocks }),
-        5 => (w.clone(), h).prop_map(|(worker, x)| Op::Remove { worker, hashes: vec![x] }),
+        5 => (w.clone(), h.clone()).prop_map(|(worker, x)| Op::Remove { worker, hashes: vec![x] }),
+        2 => (w.clone(), proptest::collection::vec(h, 2..8)).prop_map(|(worker, hashes)| Op::Remove { worker, hashes }),
         1 => w.prop_map(|worker| Op::Clear { worker }),
         1 => Just(Op::Restart),
         4 => (proptest::collection::vec(0u64..2, 1..chain.max(12)), proptest::option::weighted(0.2, 0usize..3))
