@@ -74,8 +74,8 @@ fn op_strategy_chains(workers: usize, hashes: u64, locals: u64, chain: usize) ->
 /// Hole-heavy streams: single blocks removed as often as chains are stored, parents picked
 /// among held blocks, and two locals only, so that a hole is often filled again at the same
 /// place under another engine hash, and copies of a hidden block meet there. Some removals
-/// take several blocks at once, in any order, as engines evict: ancestors named before their
-/// descendants, and holes made in the same event as their ancestors leave.
+/// take several blocks at once, in any order, as engines evict: an ancestor is often named
+/// before its descendants, and a hole made in the same event its ancestors leave.
 fn hole_strategy(workers: usize, hashes: u64, chain: usize) -> impl Strategy<Value = Op> {
     let w = 0..workers;
     let h = 0..hashes;
