@@ -200,7 +200,8 @@ struct BenchArgs {
     /// (constant churn), then clear and expire every worker; report the index's memory after each.
     #[arg(long)]
     churn: Option<usize>,
-    /// Run each backend this many times and report each mode's best run.
+    /// Rounds: each runs every backend once, the order reversed every other round; rows report
+    /// each mode's best run and, for the second backend on, its median ratio to the first.
     #[arg(long, default_value_t = 1)]
     repeat: usize,
     /// Print JSON (one object per backend and mode) instead of a table.

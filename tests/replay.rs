@@ -132,3 +132,47 @@ fn backends_stay_exact_when_evictions_leave_holes() {
         assert!(replay(&RadixIndex::new(1 << 16, 64), &wl) == want, "radix differs from the reference at hole rate {hole_rate}");
     }
 }
+
+#[test]
+fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
+    use kvindex_core::index::Backend;
+    use tools::bench::{run, BenchConfig, Indexer, Mode};
+    let cfg = MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate: 0.0 };
+    let wl = Workload::from_timed(MockEngine::run(cfg, &trace()[..300]));
+    let backends = [Backend::Positional, Backend::Radix, Backend::Reference];
+    let cfg = BenchConfig {
+        backends: backends.iter().map(|&b| Indexer::Kvindex(b)).collect(),
+        modes: vec![Mode::Sequential, Mode::Events],
+        apply_threads: 1,
+        lookup_threads: 1,
+        jump: 64,
+        max_matches: None,
+        progress: false,
+        repeat: 3,
+    };
+    let rows = run(&wl, &cfg);
+    let got: Vec<(&str, &str)> = rows.iter().map(|r| (r.backend.as_str(), r.mode.as_str())).collect();
+    let want: Vec<(&str, &str)> =
+        ["positional", "radix", "reference"].iter().flat_map(|&b| [(b, "sequential"), (b, "events")]).collect();
+    assert_eq!(got, want, "one row per backend and mode, in the order asked");
+    for r in &rows {
+        assert!(r.block_ops_per_s > 0.0 && r.block_ops > 0, "{} {} measured nothing", r.backend, r.mode);
+        match (r.backend.as_str(), r.vs_first) {
+            ("positional", None) => {}
+            ("positional", Some(x)) => panic!("the first backend has no ratio to itself: {x:?}"),
+            (_, None) => panic!("{} {} has no ratio to the first backend", r.backend, r.mode),
+            (_, Some(x)) => assert!(0.0 < x.min && x.min <= x.median && x.median <= x.max, "{} {}: {x:?}", r.backend, r.mode),
+        }
+    }
+    let one = run(&wl, &BenchConfig { repeat: 1, ..cfg });
+    assert!(one.iter().filter(|r| r.backend != "positional").all(|r| r.vs_first.is_some_and(|x| x.min == x.max)));
+}
+
+#[test]
+fn a_ratio_is_the_median_and_range_of_its_rounds() {
+    use tools::bench::Ratio;
+    assert_eq!(Ratio::of(&[3.0, 1.0, 2.0]), Some(Ratio { median: 2.0, min: 1.0, max: 3.0 }));
+    assert_eq!(Ratio::of(&[4.0, 1.0]), Some(Ratio { median: 1.0, min: 1.0, max: 4.0 }));
+    assert_eq!(Ratio::of(&[f64::NAN, 2.0, f64::INFINITY]), Some(Ratio { median: 2.0, min: 2.0, max: 2.0 }));
+    assert_eq!(Ratio::of(&[]), None);
+}

@@ -90,7 +90,8 @@ pub struct BenchConfig {
     /// Matches each lookup returns at most (`None`: all).
     pub max_matches: Option<usize>,
     pub progress: bool,
-    /// Runs of each backend; each row reports the best run (noisy machines).
+    /// Rounds, each running every backend once (the order reversed every other round, so that
+    /// neither side always runs in the machine's same phase); each row reports its best run.
     pub repeat: usize,
 }
 
@@ -114,6 +115,27 @@ pub struct BenchResult {
     pub bytes_per_placement: Option<f64>,
     /// Peak heap bytes of the index during the replay (sequential mode).
     pub peak_index_bytes: Option<u64>,
+    /// Its block ops/s as a multiple of the first backend's in the same round and mode: the
+    /// median over rounds, then the lowest and highest (a noisy machine moves both backends of
+    /// a round together far more than it moves their ratio). `None` for the first backend.
+    pub vs_first: Option<Ratio>,
+}
+
+/// A ratio measured once per round: its median and range.
+#[derive(Clone, Copy, Debug, Default, Serialize, PartialEq)]
+pub struct Ratio {
+    pub median: f64,
+    pub min: f64,
+    pub max: f64,
+}
+
+impl Ratio {
+    /// The median and range of `v` (`None` if empty); an even count takes the lower middle.
+    pub fn of(v: &[f64]) -> Option<Ratio> {
+        let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+        v.sort_unstable_by(f64::total_cmp);
+        Some(Ratio { median: v[(v.len().checked_sub(1)?) / 2], min: *v.first()?, max: *v.last()? })
+    }
 }
 
 fn histogram() -> Histogram<u64> {
@@ -426,22 +448,36 @@ fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: B
     row
 }
 
-/// Runs every configured mode on every configured backend.
+/// Runs every configured mode on every configured backend, `repeat` rounds; rows come in the
+/// order of the backends, each with its ratio to the first backend (see `BenchResult::vs_first`).
 pub fn run(wl: &Workload, cfg: &BenchConfig) -> Vec<BenchResult> {
-    let mut rows: Vec<BenchResult> = Vec::new();
-    for &b in &cfg.backends {
-        let first = rows.len();
-        for _ in 0..cfg.repeat.max(1) {
-            for r in with_backend(b, cfg.jump, RunAll { wl, cfg }) {
-                match rows[first..].iter_mut().find(|x| x.mode == r.mode) {
-                    Some(best) if best.block_ops_per_s >= r.block_ops_per_s => {}
-                    Some(best) => *best = r,
-                    None => rows.push(r),
+    let n = cfg.backends.len();
+    let mut best: Vec<Vec<BenchResult>> = vec![Vec::new(); n];
+    // Block ops/s by round, backend and mode.
+    let mut seen: Vec<Vec<FxHashMap<String, f64>>> = Vec::new();
+    for round in 0..cfg.repeat.max(1) {
+        let mut this = vec![FxHashMap::default(); n];
+        let order: Vec<usize> = if round % 2 == 0 { (0..n).collect() } else { (0..n).rev().collect() };
+        for i in order {
+            for r in with_backend(cfg.backends[i], cfg.jump, RunAll { wl, cfg }) {
+                this[i].insert(r.mode.clone(), r.block_ops_per_s);
+                match best[i].iter_mut().find(|x| x.mode == r.mode) {
+                    Some(b) if b.block_ops_per_s >= r.block_ops_per_s => {}
+                    Some(b) => *b = r,
+                    None => best[i].push(r),
                 }
             }
         }
+        seen.push(this);
     }
-    rows
+    for (i, rows) in best.iter_mut().enumerate().skip(1) {
+        for r in rows {
+            let ratios: Vec<f64> =
+                seen.iter().filter_map(|round| Some(round[i].get(&r.mode)? / round[0].get(&r.mode)?)).collect();
+            r.vs_first = Ratio::of(&ratios);
+        }
+    }
+    best.into_iter().flatten().collect()
 }
 
 /// One point of a saturation sweep.
@@ -533,18 +569,24 @@ fn si(x: f64) -> String {
     }
 }
 
-/// The results as an aligned text table.
+/// The results as an aligned text table; with more than one round and backend, a last column
+/// gives each backend's same-round ratio to the first (median, then range).
 pub fn table(rows: &[BenchResult]) -> String {
+    let ratios = rows.iter().any(|r| r.vs_first.is_some());
     let mut s = format!(
-        "{:<11} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}\n",
+        "{:<14} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
         "backend", "mode", "threads", "seconds", "block ops/s", "lookups/s", "p50 us", "p99 us", "p999 us", "B/place", "peak MiB"
     );
+    if ratios {
+        s += "  x first (range)";
+    }
+    s += "\n";
     for r in rows {
         let bpp = r.bytes_per_placement.map_or("-".into(), |b| format!("{b:.1}"));
         let peak = r.peak_index_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
         let lat = |v: f64| if r.lookups == 0 { "-".to_string() } else { format!("{v:.2}") };
         s += &format!(
-            "{:<11} {:<11} {:>7} {:>9.3} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}\n",
+            "{:<14} {:<11} {:>7} {:>9.3} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
             r.backend,
             r.mode,
             r.threads,
@@ -557,6 +599,12 @@ pub fn table(rows: &[BenchResult]) -> String {
             bpp,
             peak
         );
+        match r.vs_first {
+            Some(x) => s += &format!("  {:.2}x ({:.2}-{:.2})", x.median, x.min, x.max),
+            None if ratios => s += "  -",
+            None => {}
+        }
+        s += "\n";
     }
     s
 }
