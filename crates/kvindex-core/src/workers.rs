@@ -147,10 +147,17 @@ impl WorkerRegistry {
 const WINDOW_BITS: u32 = 56;
 const MEMBER_MASK: u64 = (1 << WINDOW_BITS) - 1;
 const SPILLED_WINDOW: u64 = 255;
+/// The window byte of an inline list: up to `LIST_MAX` slots below 2^16 anywhere, in 16-bit
+/// lanes, their count in the byte below.
+const LIST_WINDOW: u64 = 254;
+const LIST_MAX: u32 = 3;
+const LANE: u32 = 16;
 
-/// A set of worker slots in 8 bytes: up to 56 slots of one aligned window inline (the top
-/// byte names the window); a set spanning windows is marked spilled and its members live in
-/// the [`Spill`] kept by the owner of the set.
+/// A set of worker slots in 8 bytes, inline in one of two forms: up to 56 slots of one aligned
+/// window (the top byte names the window), or up to three slots anywhere below 2^16, as a
+/// list. On a big fleet most entries are held by two or three workers in different windows,
+/// which the list keeps without a spill. A larger set spanning windows is marked spilled and
+/// its members live in the [`Spill`] kept by the owner of the set.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WorkerSet(u64);
 
@@ -189,6 +196,30 @@ impl WorkerSet {
         self.0 >> WINDOW_BITS
     }
 
+    /// Held as an inline list (see `LIST_WINDOW`).
+    #[inline]
+    fn is_list(self) -> bool {
+        self.window() == LIST_WINDOW
+    }
+
+    /// Members of an inline list.
+    #[inline]
+    fn list_len(self) -> u32 {
+        ((self.0 >> (LIST_MAX * LANE)) & 0xff) as u32
+    }
+
+    /// The `i`-th member of an inline list.
+    #[inline]
+    fn lane(self, i: u32) -> Slot {
+        ((self.0 >> (i * LANE)) & 0xffff) as Slot
+    }
+
+    /// The inline list of `slots` (ascending, at most `LIST_MAX`, each below 2^16).
+    fn list_of(slots: &[Slot]) -> WorkerSet {
+        let lanes = slots.iter().enumerate().fold(0u64, |acc, (i, &s)| acc | (u64::from(s) << (i as u32 * LANE)));
+        WorkerSet((LIST_WINDOW << WINDOW_BITS) | ((slots.len() as u64) << (LIST_MAX * LANE)) | lanes)
+    }
+
     #[inline]
     fn locate(slot: Slot) -> (u64, u64) {
         ((slot / WINDOW_BITS) as u64, 1u64 << (slot % WINDOW_BITS))
@@ -197,6 +228,9 @@ impl WorkerSet {
     /// Inline membership test; not valid on a spilled set.
     #[inline]
     pub fn contains_inline(self, slot: Slot) -> bool {
+        if self.is_list() {
+            return (0..self.list_len()).any(|i| self.lane(i) == slot);
+        }
         let (w, bit) = Self::locate(slot);
         !self.is_empty() && self.window() == w && self.0 & bit != 0
     }
@@ -206,14 +240,13 @@ impl WorkerSet {
     pub fn insert(&mut self, slot: Slot) -> SetInsert {
         debug_assert!(!self.is_spilled());
         let (w, bit) = Self::locate(slot);
-        if w >= SPILLED_WINDOW {
-            return SetInsert::NeedsSpill;
-        }
-        if self.is_empty() {
+        if w >= LIST_WINDOW {
+            self.insert_far(slot)
+        } else if self.is_empty() {
             self.0 = (w << WINDOW_BITS) | bit;
             SetInsert::Added
         } else if self.window() != w {
-            SetInsert::NeedsSpill
+            self.insert_far(slot)
         } else if self.0 & bit != 0 {
             SetInsert::AlreadyPresent
         } else {
@@ -222,18 +255,52 @@ impl WorkerSet {
         }
     }
 
+    /// Adds `slot` outside the set's window (or to a list): as a list while one fits. Kept out
+    /// of line, so that sets of one window (every set of a small fleet) pay nothing for lists.
+    #[cold]
+    #[inline(never)]
+    fn insert_far(&mut self, slot: Slot) -> SetInsert {
+        if self.contains_inline(slot) {
+            return SetInsert::AlreadyPresent;
+        }
+        let len = if self.is_list() { self.list_len() } else { (self.0 & MEMBER_MASK).count_ones() };
+        if len >= LIST_MAX || slot >> LANE != 0 {
+            return SetInsert::NeedsSpill;
+        }
+        let mut slots: SmallVec<[Slot; 4]> = self.members().collect();
+        slots.insert(slots.partition_point(|&s| s < slot), slot);
+        *self = Self::list_of(&slots);
+        SetInsert::Added
+    }
+
     /// Removes `slot` from an inline set; returns whether it was there.
     #[inline]
     pub fn remove(&mut self, slot: Slot) -> bool {
         debug_assert!(!self.is_spilled());
-        if !self.contains_inline(slot) {
+        if self.is_list() {
+            return self.remove_listed(slot);
+        }
+        let (w, bit) = Self::locate(slot);
+        if self.is_empty() || self.window() != w || self.0 & bit == 0 {
             return false;
         }
-        let (_, bit) = Self::locate(slot);
         self.0 &= !bit;
         if self.0 & MEMBER_MASK == 0 {
             self.0 = 0;
         }
+        true
+    }
+
+    /// Removes `slot` from an inline list, back to the window form once one window holds the
+    /// rest (out of line, as `insert_far`).
+    #[cold]
+    #[inline(never)]
+    fn remove_listed(&mut self, slot: Slot) -> bool {
+        let mut slots: SmallVec<[Slot; 4]> = self.members().collect();
+        let Some(at) = slots.iter().position(|&s| s == slot) else { return false };
+        slots.remove(at);
+        *self = Self::inline_of(slots.first().copied(), slots.last().copied(), slots.iter().copied())
+            .unwrap_or_else(|| Self::list_of(&slots));
         true
     }
 
@@ -243,6 +310,10 @@ impl WorkerSet {
         debug_assert!(!self.is_spilled());
         if self.is_empty() {
             alive.clear();
+            return;
+        }
+        if self.is_list() {
+            self.and_listed_into(alive);
             return;
         }
         // The 56-slot window covers at most two 64-bit words of the dense set.
@@ -262,8 +333,22 @@ impl WorkerSet {
         }
     }
 
-    /// Tries to fold a spilled set back inline; `None` if it still spans windows. Its first
-    /// and last members tell, so a set of a thousand workers costs a word scan, not a walk.
+    /// `alive &= self` for an inline list.
+    fn and_listed_into(self, alive: &mut SlotBits) {
+        let mut kept = [NO_SLOT; LIST_MAX as usize];
+        for (i, k) in kept.iter_mut().enumerate().take(self.list_len() as usize) {
+            let s = self.lane(i as u32);
+            if alive.contains(s) {
+                *k = s;
+            }
+        }
+        alive.words.fill(0);
+        kept.iter().filter(|&&s| s != NO_SLOT).for_each(|&s| alive.insert(s));
+    }
+
+    /// Tries to fold a spilled set back inline; `None` if it still spans windows and is too big
+    /// for a list. Its first and last members tell whether it spans windows, so a set of a
+    /// thousand workers costs a word scan, not a walk.
     pub fn from_bits(bits: &SlotBits) -> Option<WorkerSet> {
         Self::from_words(&bits.words)
     }
@@ -278,12 +363,13 @@ impl WorkerSet {
         Self::inline_of(slots.first().copied(), slots.last().copied(), slots.iter().copied())
     }
 
-    /// The inline set of `slots`, whose lowest and highest are `first` and `last`; `None` if
-    /// they span windows.
-    fn inline_of(first: Option<Slot>, last: Option<Slot>, slots: impl Iterator<Item = Slot>) -> Option<WorkerSet> {
+    /// The inline set of `slots` (ascending), whose lowest and highest are `first` and `last`;
+    /// `None` if they span windows and are too many for a list.
+    fn inline_of(first: Option<Slot>, last: Option<Slot>, mut slots: impl Iterator<Item = Slot>) -> Option<WorkerSet> {
         let (Some(first), Some(last)) = (first, last) else { return Some(WorkerSet::EMPTY) };
-        if first / WINDOW_BITS != last / WINDOW_BITS {
-            return None;
+        if first / WINDOW_BITS != last / WINDOW_BITS || u64::from(first / WINDOW_BITS) >= LIST_WINDOW {
+            let few: SmallVec<[Slot; 4]> = slots.by_ref().take(LIST_MAX as usize + 1).collect();
+            return (few.len() <= LIST_MAX as usize && last >> LANE == 0).then(|| Self::list_of(&few));
         }
         let mut s = WorkerSet::EMPTY;
         for slot in slots {
@@ -625,16 +711,17 @@ impl WorkerSet {
 
     /// The inline members, ascending; not valid on a spilled set.
     fn members(self) -> impl Iterator<Item = Slot> {
+        let list = if self.is_list() { self.list_len() } else { 0 };
         let base = self.window() as u32 * WINDOW_BITS;
-        let mut m = if self.is_spilled() { 0 } else { self.0 & MEMBER_MASK };
-        std::iter::from_fn(move || {
+        let mut m = if self.is_spilled() || self.is_list() { 0 } else { self.0 & MEMBER_MASK };
+        (0..list).map(move |i| self.lane(i)).chain(std::iter::from_fn(move || {
             if m == 0 {
                 return None;
             }
             let b = m.trailing_zeros();
             m &= m - 1;
             Some(base + b)
-        })
+        }))
     }
 }
 
@@ -833,23 +920,51 @@ mod tests {
         assert_eq!(s.insert(3), SetInsert::Added);
         assert_eq!(s.insert(3), SetInsert::AlreadyPresent);
         assert_eq!(s.insert(55), SetInsert::Added);
-        assert_eq!(s.insert(56), SetInsert::NeedsSpill);
+        assert_eq!(s.insert(54), SetInsert::Added);
+        assert_eq!(s.insert(56), SetInsert::NeedsSpill, "four slots across windows spill");
         assert!(s.remove(3));
         assert!(!s.remove(3));
-        assert!(s.remove(55));
+        assert!(s.remove(55) && s.remove(54));
         assert!(s.is_empty());
         // A lone high slot sits inline in its own window.
         assert_eq!(s.insert(1000), SetInsert::Added);
         assert!(s.contains_inline(1000));
         assert!(!s.contains_inline(1000 - 56));
-        assert_eq!(s.insert(255 * 56), SetInsert::NeedsSpill);
+        assert!(!s.is_list());
+    }
+
+    #[test]
+    fn up_to_three_slots_anywhere_stay_inline_as_a_list() {
+        let mut s = WorkerSet::EMPTY;
+        for (x, want) in [(900, true), (7, true), (7, false), (65_535, true)] {
+            assert_eq!(s.insert(x) == SetInsert::Added, want, "insert {x}");
+        }
+        assert!(s.is_list() && !s.is_spilled());
+        assert_eq!(s.members().collect::<Vec<_>>(), [7, 900, 65_535]);
+        assert!(s.contains_inline(900) && !s.contains_inline(901));
+        let mut alive = SlotBits::default();
+        alive.fill(1000);
+        s.and_into(&mut alive);
+        assert_eq!(alive.iter().collect::<Vec<_>>(), [7, 900], "slots past alive's width are not added");
+        assert_eq!(s.insert(8), SetInsert::NeedsSpill);
+        // Down to one window again: back to the window form, which holds 56.
+        assert!(s.remove(65_535) && !s.remove(65_535) && s.remove(900));
+        assert!(!s.is_list() && s.contains_inline(7));
+        assert!((0..56).all(|x| s.insert(x) != SetInsert::NeedsSpill));
+        // Slots whose window is past the window byte's range go in a list, those past 2^16 spill.
+        let mut high = WorkerSet::EMPTY;
+        assert_eq!(high.insert(255 * 56), SetInsert::Added);
+        assert!(high.is_list());
+        assert_eq!(high.insert(1 << 16), SetInsert::NeedsSpill);
+        assert!(high.remove(255 * 56) && high.is_empty());
+        assert_eq!(high.insert(1 << 16), SetInsert::NeedsSpill);
     }
 
     #[test]
     fn spilled_sets_live_in_a_slab_that_reuses_freed_entries() {
         let mut spill = Spill::default();
         let (mut a, mut b) = (WorkerSet::EMPTY, WorkerSet::EMPTY);
-        for s in [1, 100, 200] {
+        for s in [1, 100, 200, 300] {
             assert!(a.insert_spilling(s, &mut spill));
             assert!(b.insert_spilling(s + 1, &mut spill));
         }
@@ -857,22 +972,25 @@ mod tests {
         assert!(a.is_spilled() && b.is_spilled() && a != b);
         assert_eq!(spill.len(), 2);
         let mut alive = SlotBits::default();
-        alive.fill(256);
+        alive.fill(512);
         a.and_into_spilling(&spill, &mut alive);
-        assert_eq!(alive.iter().collect::<Vec<_>>(), vec![1, 100, 200]);
-        // Down to one window: folded back inline, its slab entry freed and reused.
+        assert_eq!(alive.iter().collect::<Vec<_>>(), vec![1, 100, 200, 300]);
+        // Down to three: folded back inline as a list, its slab entry freed and reused.
         a.remove_spilling(1, &mut spill);
+        assert!(!a.is_spilled() && a.is_list() && a.contains_inline(300));
         a.remove_spilling(200, &mut spill);
-        assert!(!a.is_spilled() && a.contains_inline(100));
+        a.remove_spilling(300, &mut spill);
+        assert!(!a.is_list() && a.contains_inline(100));
         assert_eq!(spill.len(), 1);
         let mut c = WorkerSet::EMPTY;
-        c.insert_spilling(0, &mut spill);
-        c.insert_spilling(255, &mut spill);
+        for s in [0, 1, 2, 255] {
+            c.insert_spilling(s, &mut spill);
+        }
         assert_eq!(spill.len(), 2);
         assert_eq!(spill.0.as_ref().map(|s| s.dense.entries), Some(2));
-        alive.fill(256);
+        alive.fill(512);
         b.and_into_spilling(&spill, &mut alive);
-        assert_eq!(alive.iter().collect::<Vec<_>>(), vec![2, 101, 201]);
+        assert_eq!(alive.iter().collect::<Vec<_>>(), vec![2, 101, 201, 301]);
     }
 
     #[test]
@@ -882,7 +1000,7 @@ mod tests {
         let mut model = std::collections::BTreeSet::new();
         let mut rng = 0x9e37_79b9_7f4a_7c15u64;
         // Sets seen as a list, as a bitset, and as a list again after a bitset.
-        let mut saw = (false, false, false);
+        let mut saw = (false, false, false, false);
         for step in 0..20_000u32 {
             rng ^= rng << 13;
             rng ^= rng >> 7;
@@ -908,7 +1026,9 @@ mod tests {
                 None => {
                     assert!(!set.is_spilled(), "a spilled set names a live slab entry");
                     let (Some(lo), Some(hi)) = (model.first(), model.last()) else { continue };
-                    assert_eq!(lo / WINDOW_BITS, hi / WINDOW_BITS, "inline only within one window");
+                    assert!(set.is_list() == (lo / WINDOW_BITS != hi / WINDOW_BITS), "a list only across windows");
+                    assert!(model.len() <= LIST_MAX as usize || !set.is_list(), "inline: one window or a short list");
+                    saw.3 |= set.is_list();
                 }
             }
             if step % 7 == 0 {
@@ -918,7 +1038,7 @@ mod tests {
                 assert_eq!(alive.iter().collect::<Vec<_>>(), model.iter().copied().collect::<Vec<_>>(), "step {step}");
             }
         }
-        assert!(saw.0 && saw.1 && saw.2, "both forms and both conversions were exercised: {saw:?}");
+        assert!(saw.0 && saw.1 && saw.2 && saw.3, "every form and both conversions were exercised: {saw:?}");
         for slot in model.clone() {
             set.remove_spilling(slot, &mut spill);
         }
@@ -936,15 +1056,16 @@ mod tests {
         let mut spill = Spill::default();
         let mut sets = [WorkerSet::EMPTY; 4];
         // Two narrow bitsets and two short lists, then one of each grows past the stride.
-        for (set, slots) in sets.iter_mut().zip([[1, 100], [3, 70], [0, 600], [5, 700]]) {
+        for (set, slots) in sets.iter_mut().zip([[1, 2, 4, 100], [3, 5, 6, 70], [0, 1, 2, 600], [4, 5, 6, 700]]) {
             slots.iter().for_each(|&s| assert!(set.insert_spilling(s, &mut spill)));
         }
+        assert!(sets.iter().all(|s| s.is_spilled()));
         assert!(sets[0].insert_spilling(1000, &mut spill));
         for s in [601, 602, 603] {
             assert!(sets[2].insert_spilling(s, &mut spill));
         }
         let got: Vec<_> = sets.iter().map(|&set| members(set, &spill)).collect();
-        assert_eq!(got, [vec![1, 100, 1000], vec![3, 70], vec![0, 600, 601, 602, 603], vec![5, 700]]);
+        assert_eq!(got, [vec![1, 2, 4, 100, 1000], vec![3, 5, 6, 70], vec![0, 1, 2, 600, 601, 602, 603], vec![4, 5, 6, 700]]);
         assert!(matches!(spill.get(sets[2]), Some(Members::Few(_))), "a short far-apart set stays a list");
         assert!(matches!(spill.get(sets[1]), Some(Members::Dense(_))), "a narrow set stays a bitset");
     }
