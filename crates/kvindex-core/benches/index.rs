@@ -1,6 +1,6 @@
 //! Criterion micro-benchmarks of the index's hot paths: store a chain, remove one, look up a
 //! prefix, for the positional and radix backends, with 16 workers and with fleets of up to
-//! 4096 workers sharing a prefix. `kvindex bench` measures whole replays;
+//! 4096 workers sharing a prefix, or holding each prefix two or three at a time. `kvindex bench` measures whole replays;
 //! kvindex-client's `decode` bench measures the wire decoder.
 
 use criterion::measurement::WallTime;
@@ -14,12 +14,17 @@ const CHAIN: usize = 256;
 
 /// `n` chains of `CHAIN` blocks: each shares its first half with chain 0 (a system prompt).
 fn chains(n: u64) -> Vec<Vec<StoredBlock>> {
+    chains_sharing(n, CHAIN as u64 / 2)
+}
+
+/// `n` chains of `CHAIN` blocks, the first `shared` of them the same in every chain.
+fn chains_sharing(n: u64, shared: u64) -> Vec<Vec<StoredBlock>> {
     (0..n)
         .map(|c| {
             let mut prev = 0;
             (0..CHAIN as u64)
                 .map(|i| {
-                    let id = if i < CHAIN as u64 / 2 { i } else { c * 1_000_000 + i };
+                    let id = if i < shared { i } else { c * 1_000_000 + i };
                     let l = xxh3_64_with_seed(&id.to_le_bytes(), 1337);
                     prev = if i == 0 { l } else { xxh3_64_with_seed(&[prev.to_le_bytes(), l.to_le_bytes()].concat(), 1337) };
                     StoredBlock::new(prev, l)
@@ -125,11 +130,37 @@ fn bench_workers<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
     g.finish();
 }
 
+/// The shape of a big fleet's entries (at 1,024 workers, 92% of the Mooncake replay's stores
+/// leave an entry with one to three holders): worker `w` holds chain `w % (n / 2)`, so each
+/// chain is held by two workers `n / 2` slots apart, in different windows from 256 workers on.
+/// A new worker stores and removes chain 0 (three holders while it does), and a lookup of
+/// chain 0 answers its two holders.
+fn bench_pairs<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
+    let mut g = c.benchmark_group(format!("{}_pairs", make().name()));
+    let all = chains_sharing(FLEETS[FLEETS.len() - 1] / 2, 0);
+    let query: Vec<LocalHash> = all[0].iter().map(|s| s.tokens_hash).collect();
+    for &n in &FLEETS {
+        let index = make();
+        for w in 0..n {
+            let mut wr = index.writer(WorkerId::new(w, 0)).unwrap();
+            index.store(&mut wr, None, &all[(w % (n / 2)) as usize]);
+        }
+        let mut newcomer = index.writer(WorkerId::new(n, 0)).unwrap();
+        g.throughput(Throughput::Elements(CHAIN as u64));
+        bench_writes(&mut g, n, &index, &mut newcomer, &all[0]);
+        g.throughput(Throughput::Elements(1));
+        g.bench_function(BenchmarkId::new("lookup", n), |b| b.iter(|| index.find_matches(&query, &MatchOptions::default())));
+    }
+    g.finish();
+}
+
 fn benches(c: &mut Criterion) {
     bench_backend(c, PositionalIndex::default);
     bench_backend(c, || RadixIndex::new(1 << 16, 1 << 16));
     bench_workers(c, PositionalIndex::default);
     bench_workers(c, || RadixIndex::new(1 << 16, 1 << 16));
+    bench_pairs(c, PositionalIndex::default);
+    bench_pairs(c, || RadixIndex::new(1 << 16, 1 << 16));
 }
 
 criterion_group! {

@@ -152,6 +152,8 @@ const SPILLED_WINDOW: u64 = 255;
 const LIST_WINDOW: u64 = 254;
 const LIST_MAX: u32 = 3;
 const LANE: u32 = 16;
+/// The lanes of an inline list.
+const LANES: u64 = (1 << (LIST_MAX * LANE)) - 1;
 
 /// A set of worker slots in 8 bytes, inline in one of two forms: up to 56 slots of one aligned
 /// window (the top byte names the window), or up to three slots anywhere below 2^16, as a
@@ -214,10 +216,16 @@ impl WorkerSet {
         ((self.0 >> (i * LANE)) & 0xffff) as Slot
     }
 
+    /// The window byte and count of an inline list of `n` slots.
+    #[inline]
+    fn list_tag(n: u32) -> u64 {
+        (LIST_WINDOW << WINDOW_BITS) | (u64::from(n) << (LIST_MAX * LANE))
+    }
+
     /// The inline list of `slots` (ascending, at most `LIST_MAX`, each below 2^16).
     fn list_of(slots: &[Slot]) -> WorkerSet {
         let lanes = slots.iter().enumerate().fold(0u64, |acc, (i, &s)| acc | (u64::from(s) << (i as u32 * LANE)));
-        WorkerSet((LIST_WINDOW << WINDOW_BITS) | ((slots.len() as u64) << (LIST_MAX * LANE)) | lanes)
+        WorkerSet(Self::list_tag(slots.len() as u32) | lanes)
     }
 
     #[inline]
@@ -257,19 +265,47 @@ impl WorkerSet {
 
     /// Adds `slot` outside the set's window (or to a list): as a list while one fits. Kept out
     /// of line, so that sets of one window (every set of a small fleet) pay nothing for lists.
-    #[cold]
     #[inline(never)]
     fn insert_far(&mut self, slot: Slot) -> SetInsert {
-        if self.contains_inline(slot) {
-            return SetInsert::AlreadyPresent;
+        if self.is_list() {
+            let n = self.list_len();
+            if (0..n).any(|i| self.lane(i) == slot) {
+                return SetInsert::AlreadyPresent;
+            }
+            if n >= LIST_MAX || slot >> LANE != 0 {
+                return SetInsert::NeedsSpill;
+            }
+            // Lanes are ascending: the new slot goes after those below it.
+            let at = (0..n).filter(|&i| self.lane(i) < slot).count() as u32;
+            let lanes = self.0 & LANES;
+            let below = lanes & ((1u64 << (at * LANE)) - 1);
+            let above = (lanes & !((1u64 << (at * LANE)) - 1)) << LANE;
+            self.0 = Self::list_tag(n + 1) | below | (u64::from(slot) << (at * LANE)) | (above & LANES);
+            return SetInsert::Added;
         }
-        let len = if self.is_list() { self.list_len() } else { (self.0 & MEMBER_MASK).count_ones() };
-        if len >= LIST_MAX || slot >> LANE != 0 {
+        if slot >> LANE != 0 {
             return SetInsert::NeedsSpill;
         }
-        let mut slots: SmallVec<[Slot; 4]> = self.members().collect();
-        slots.insert(slots.partition_point(|&s| s < slot), slot);
-        *self = Self::list_of(&slots);
+        // An empty set (the slot's window is past the window byte's range) or one window.
+        let mut m = self.0 & MEMBER_MASK;
+        if self.is_empty() {
+            m = 0;
+        }
+        if m.count_ones() >= LIST_MAX {
+            return SetInsert::NeedsSpill;
+        }
+        let base = self.window() as u32 * WINDOW_BITS;
+        let mut slots = [0; LIST_MAX as usize];
+        let mut n = 0;
+        while m != 0 {
+            slots[n] = base + m.trailing_zeros();
+            m &= m - 1;
+            n += 1;
+        }
+        slots[n] = slot;
+        n += 1;
+        slots[..n].sort_unstable();
+        *self = Self::list_of(&slots[..n]);
         SetInsert::Added
     }
 
@@ -293,14 +329,26 @@ impl WorkerSet {
 
     /// Removes `slot` from an inline list, back to the window form once one window holds the
     /// rest (out of line, as `insert_far`).
-    #[cold]
     #[inline(never)]
     fn remove_listed(&mut self, slot: Slot) -> bool {
-        let mut slots: SmallVec<[Slot; 4]> = self.members().collect();
-        let Some(at) = slots.iter().position(|&s| s == slot) else { return false };
-        slots.remove(at);
-        *self = Self::inline_of(slots.first().copied(), slots.last().copied(), slots.iter().copied())
-            .unwrap_or_else(|| Self::list_of(&slots));
+        let n = self.list_len();
+        let Some(i) = (0..n).find(|&i| self.lane(i) == slot) else { return false };
+        let lanes = self.0 & LANES;
+        let below = lanes & ((1u64 << (i * LANE)) - 1);
+        let above = (lanes >> ((i + 1) * LANE)) << (i * LANE);
+        let rest = WorkerSet(Self::list_tag(n - 1) | below | above);
+        let (first, last) = (rest.lane(0), rest.lane(n.saturating_sub(2)));
+        *self = if n == 1 {
+            WorkerSet::EMPTY
+        } else if first / WINDOW_BITS == last / WINDOW_BITS && u64::from(first / WINDOW_BITS) < LIST_WINDOW {
+            let mut one = WorkerSet::EMPTY;
+            (0..n - 1).for_each(|j| {
+                one.insert(rest.lane(j));
+            });
+            one
+        } else {
+            rest
+        };
         true
     }
 
@@ -360,6 +408,9 @@ impl WorkerSet {
 
     /// The inline set of `slots` (ascending), or `None` if they span windows.
     fn from_slots(slots: &[Slot]) -> Option<WorkerSet> {
+        if slots.len() > LIST_MAX as usize && slots.first().map(|f| f / WINDOW_BITS) != slots.last().map(|l| l / WINDOW_BITS) {
+            return None;
+        }
         Self::inline_of(slots.first().copied(), slots.last().copied(), slots.iter().copied())
     }
 
@@ -958,6 +1009,32 @@ mod tests {
         assert_eq!(high.insert(1 << 16), SetInsert::NeedsSpill);
         assert!(high.remove(255 * 56) && high.is_empty());
         assert_eq!(high.insert(1 << 16), SetInsert::NeedsSpill);
+    }
+
+    #[test]
+    fn a_list_keeps_its_slots_in_order_whatever_the_order_they_come_and_go() {
+        let triples = [[0, 56, 112], [5, 6, 900], [1, 14_000, 65_535], [55, 56, 57], [14_279, 14_280, 3]];
+        let orders = [[0, 1, 2], [0, 2, 1], [1, 0, 2], [1, 2, 0], [2, 0, 1], [2, 1, 0]];
+        for t in triples {
+            let mut sorted = t;
+            sorted.sort_unstable();
+            for ins in orders {
+                for del in orders {
+                    let mut s = WorkerSet::EMPTY;
+                    ins.iter().for_each(|&i| assert_eq!(s.insert(t[i]), SetInsert::Added, "{t:?} {ins:?}"));
+                    assert_eq!(s.members().collect::<Vec<_>>(), sorted, "inserted {t:?} in order {ins:?}");
+                    let mut left = sorted.to_vec();
+                    for &i in &del {
+                        assert!(s.remove(t[i]) && !s.contains_inline(t[i]));
+                        left.retain(|&x| x != t[i]);
+                        assert_eq!(s.members().collect::<Vec<_>>(), left, "{t:?}: removed in order {del:?}");
+                        let one_window = left.first().map(|f| f / WINDOW_BITS) == left.last().map(|l| l / WINDOW_BITS);
+                        assert_eq!(s.is_list(), !one_window || left.first().is_some_and(|&f| f >= 254 * WINDOW_BITS));
+                    }
+                    assert!(s.is_empty());
+                }
+            }
+        }
     }
 
     #[test]
