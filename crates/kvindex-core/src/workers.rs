@@ -406,7 +406,8 @@ impl WorkerSet {
         Self::inline_of(first_of(words), last_of(words), iter_of(words))
     }
 
-    /// The inline set of `slots` (ascending), or `None` if they span windows.
+    /// The inline set of `slots` (ascending), or `None` if they span windows and are too many
+    /// for a list.
     fn from_slots(slots: &[Slot]) -> Option<WorkerSet> {
         if slots.len() > LIST_MAX as usize && slots.first().map(|f| f / WINDOW_BITS) != slots.last().map(|l| l / WINDOW_BITS) {
             return None;
@@ -537,9 +538,9 @@ impl<T: Copy> FlatSlab<T> {
 /// Members of the [`WorkerSet`]s that spilled, kept by the owner of the sets: slabs whose index
 /// the spilled set holds inline, so reaching the members costs no hash probe. A set's members
 /// are its slots in order while that list is small against a bitset as wide as its highest
-/// slot, the bitset after: on a big fleet most spills are a few workers far apart (a set spans
-/// windows as soon as two of its slots do), which a bitset would pay for with the width of the
-/// whole registry.
+/// slot, the bitset after: on a big fleet most spills are a few workers far apart (four or
+/// more, past an inline list, spanning windows as soon as two of their slots do), which a
+/// bitset would pay for with the width of the whole registry.
 ///
 /// Most positions never spill a set: the slabs are allocated with the first spill and freed
 /// with the last, so an idle `Spill` is one word.
