@@ -661,8 +661,21 @@ impl Slabs {
 
 impl WorkerSet {
     /// Adds `slot`, spilling into `spill` when the set outgrows its window; returns whether
-    /// the slot was new.
+    /// the slot was new. A slot of the set's own window (every write of a small fleet) is
+    /// added here, inline in the caller; the rest is out of line.
+    #[inline]
     pub fn insert_spilling(&mut self, slot: Slot, spill: &mut Spill) -> bool {
+        let (w, bit) = Self::locate(slot);
+        if w < LIST_WINDOW && (self.is_empty() || self.window() == w) {
+            let new = self.0 & bit == 0;
+            self.0 |= (w << WINDOW_BITS) | bit;
+            return new;
+        }
+        self.insert_spilling_far(slot, spill)
+    }
+
+    #[inline(never)]
+    fn insert_spilling_far(&mut self, slot: Slot, spill: &mut Spill) -> bool {
         if !self.is_spilled() {
             return match self.insert(slot) {
                 SetInsert::Added => true,
@@ -703,8 +716,19 @@ impl WorkerSet {
         true
     }
 
-    /// Removes `slot`, folding a spilled set back inline when it fits again.
+    /// Removes `slot`, folding a spilled set back inline when it fits again; a set of one
+    /// window is handled inline in the caller, as in `insert_spilling`.
+    #[inline]
     pub fn remove_spilling(&mut self, slot: Slot, spill: &mut Spill) {
+        if !self.is_spilled() && !self.is_list() {
+            self.remove(slot);
+            return;
+        }
+        self.remove_spilling_far(slot, spill)
+    }
+
+    #[inline(never)]
+    fn remove_spilling_far(&mut self, slot: Slot, spill: &mut Spill) {
         if !self.is_spilled() {
             self.remove(slot);
             return;
