@@ -116,8 +116,7 @@ pub struct BenchResult {
     /// Peak heap bytes of the index during the replay (sequential mode).
     pub peak_index_bytes: Option<u64>,
     /// Its block ops/s as a multiple of the first backend's in the same round and mode: the
-    /// median over rounds, then the lowest and highest (a noisy machine moves both backends of
-    /// a round together far more than it moves their ratio). `None` for the first backend.
+    /// median over rounds, then the lowest and highest. `None` for the first backend.
     pub vs_first: Option<Ratio>,
 }
 
@@ -569,8 +568,8 @@ fn si(x: f64) -> String {
     }
 }
 
-/// The results as an aligned text table; with more than one round and backend, a last column
-/// gives each backend's same-round ratio to the first (median, then range).
+/// The results as an aligned text table; with two or more backends, a last column gives each
+/// backend's same-round ratio to the first (median, then range).
 pub fn table(rows: &[BenchResult]) -> String {
     let ratios = rows.iter().any(|r| r.vs_first.is_some());
     let mut s = format!(
