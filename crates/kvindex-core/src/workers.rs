@@ -152,8 +152,6 @@ const SPILLED_WINDOW: u64 = 255;
 const LIST_WINDOW: u64 = 254;
 const LIST_MAX: u32 = 3;
 const LANE: u32 = 16;
-/// The lanes of an inline list.
-const LANES: u64 = (1 << (LIST_MAX * LANE)) - 1;
 
 /// A set of worker slots in 8 bytes, inline in one of two forms: up to 56 slots of one aligned
 /// window (the top byte names the window), or up to three slots anywhere below 2^16, as a
@@ -216,16 +214,10 @@ impl WorkerSet {
         ((self.0 >> (i * LANE)) & 0xffff) as Slot
     }
 
-    /// The window byte and count of an inline list of `n` slots.
-    #[inline]
-    fn list_tag(n: u32) -> u64 {
-        (LIST_WINDOW << WINDOW_BITS) | (u64::from(n) << (LIST_MAX * LANE))
-    }
-
     /// The inline list of `slots` (ascending, at most `LIST_MAX`, each below 2^16).
     fn list_of(slots: &[Slot]) -> WorkerSet {
         let lanes = slots.iter().enumerate().fold(0u64, |acc, (i, &s)| acc | (u64::from(s) << (i as u32 * LANE)));
-        WorkerSet(Self::list_tag(slots.len() as u32) | lanes)
+        WorkerSet((LIST_WINDOW << WINDOW_BITS) | ((slots.len() as u64) << (LIST_MAX * LANE)) | lanes)
     }
 
     #[inline]
@@ -267,45 +259,20 @@ impl WorkerSet {
     /// of line, so that sets of one window (every set of a small fleet) pay nothing for lists.
     #[inline(never)]
     fn insert_far(&mut self, slot: Slot) -> SetInsert {
-        if self.is_list() {
-            let n = self.list_len();
-            if (0..n).any(|i| self.lane(i) == slot) {
-                return SetInsert::AlreadyPresent;
-            }
-            if n >= LIST_MAX || slot >> LANE != 0 {
-                return SetInsert::NeedsSpill;
-            }
-            // Lanes are ascending: the new slot goes after those below it.
-            let at = (0..n).filter(|&i| self.lane(i) < slot).count() as u32;
-            let lanes = self.0 & LANES;
-            let below = lanes & ((1u64 << (at * LANE)) - 1);
-            let above = (lanes & !((1u64 << (at * LANE)) - 1)) << LANE;
-            self.0 = Self::list_tag(n + 1) | below | (u64::from(slot) << (at * LANE)) | (above & LANES);
-            return SetInsert::Added;
+        if self.contains_inline(slot) {
+            return SetInsert::AlreadyPresent;
         }
-        if slot >> LANE != 0 {
+        let len = if self.is_list() { self.list_len() } else { (self.0 & MEMBER_MASK).count_ones() };
+        if len >= LIST_MAX || slot >> LANE != 0 {
             return SetInsert::NeedsSpill;
         }
-        // An empty set (the slot's window is past the window byte's range) or one window.
-        let mut m = self.0 & MEMBER_MASK;
-        if self.is_empty() {
-            m = 0;
+        let mut slots = [slot; LIST_MAX as usize];
+        for (to, s) in slots.iter_mut().zip(self.members()) {
+            *to = s;
         }
-        if m.count_ones() >= LIST_MAX {
-            return SetInsert::NeedsSpill;
-        }
-        let base = self.window() as u32 * WINDOW_BITS;
-        let mut slots = [0; LIST_MAX as usize];
-        let mut n = 0;
-        while m != 0 {
-            slots[n] = base + m.trailing_zeros();
-            m &= m - 1;
-            n += 1;
-        }
-        slots[n] = slot;
-        n += 1;
-        slots[..n].sort_unstable();
-        *self = Self::list_of(&slots[..n]);
+        let slots = &mut slots[..len as usize + 1];
+        slots.sort_unstable();
+        *self = Self::list_of(slots);
         SetInsert::Added
     }
 
@@ -331,24 +298,18 @@ impl WorkerSet {
     /// rest (out of line, as `insert_far`).
     #[inline(never)]
     fn remove_listed(&mut self, slot: Slot) -> bool {
-        let n = self.list_len();
-        let Some(i) = (0..n).find(|&i| self.lane(i) == slot) else { return false };
-        let lanes = self.0 & LANES;
-        let below = lanes & ((1u64 << (i * LANE)) - 1);
-        let above = (lanes >> ((i + 1) * LANE)) << (i * LANE);
-        let rest = WorkerSet(Self::list_tag(n - 1) | below | above);
-        let (first, last) = (rest.lane(0), rest.lane(n.saturating_sub(2)));
-        *self = if n == 1 {
-            WorkerSet::EMPTY
-        } else if first / WINDOW_BITS == last / WINDOW_BITS && u64::from(first / WINDOW_BITS) < LIST_WINDOW {
-            let mut one = WorkerSet::EMPTY;
-            (0..n - 1).for_each(|j| {
-                one.insert(rest.lane(j));
-            });
-            one
-        } else {
-            rest
-        };
+        if !self.contains_inline(slot) {
+            return false;
+        }
+        let mut rest = [0; LIST_MAX as usize];
+        let mut n = 0;
+        for s in self.members().filter(|&s| s != slot) {
+            rest[n] = s;
+            n += 1;
+        }
+        let rest = &rest[..n];
+        *self = Self::inline_of(rest.first().copied(), rest.last().copied(), rest.iter().copied())
+            .unwrap_or_else(|| Self::list_of(rest));
         true
     }
 
@@ -409,9 +370,6 @@ impl WorkerSet {
     /// The inline set of `slots` (ascending), or `None` if they span windows and are too many
     /// for a list.
     fn from_slots(slots: &[Slot]) -> Option<WorkerSet> {
-        if slots.len() > LIST_MAX as usize && slots.first().map(|f| f / WINDOW_BITS) != slots.last().map(|l| l / WINDOW_BITS) {
-            return None;
-        }
         Self::inline_of(slots.first().copied(), slots.last().copied(), slots.iter().copied())
     }
 
@@ -661,33 +619,29 @@ impl Slabs {
 
 impl WorkerSet {
     /// Adds `slot`, spilling into `spill` when the set outgrows its window; returns whether
-    /// the slot was new. A slot of the set's own window (every write of a small fleet) is
-    /// added here, inline in the caller; the rest is out of line.
+    /// the slot was new. An inline set takes the slot here, inline in the caller (every write
+    /// of a small fleet); a spill and a spilled set are out of line.
     #[inline]
     pub fn insert_spilling(&mut self, slot: Slot, spill: &mut Spill) -> bool {
-        let (w, bit) = Self::locate(slot);
-        if w < LIST_WINDOW && (self.is_empty() || self.window() == w) {
-            let new = self.0 & bit == 0;
-            self.0 |= (w << WINDOW_BITS) | bit;
-            return new;
+        if !self.is_spilled() {
+            match self.insert(slot) {
+                SetInsert::Added => return true,
+                SetInsert::AlreadyPresent => return false,
+                SetInsert::NeedsSpill => {}
+            }
         }
         self.insert_spilling_far(slot, spill)
     }
 
+    /// The rest of `insert_spilling`: an inline set that must spill, or a spilled set.
     #[inline(never)]
     fn insert_spilling_far(&mut self, slot: Slot, spill: &mut Spill) -> bool {
         if !self.is_spilled() {
-            return match self.insert(slot) {
-                SetInsert::Added => true,
-                SetInsert::AlreadyPresent => false,
-                SetInsert::NeedsSpill => {
-                    let mut slots: SmallVec<[Slot; 64]> = self.members().collect();
-                    let at = slots.partition_point(|&s| s < slot);
-                    slots.insert(at, slot);
-                    *self = spill.add(&slots);
-                    true
-                }
-            };
+            let mut slots: SmallVec<[Slot; 64]> = self.members().collect();
+            let at = slots.partition_point(|&s| s < slot);
+            slots.insert(at, slot);
+            *self = spill.add(&slots);
+            return true;
         }
         let Some(slabs) = spill.0.as_deref_mut() else { return false };
         let i = (self.0 & SLAB_INDEX) as usize;
@@ -716,23 +670,20 @@ impl WorkerSet {
         true
     }
 
-    /// Removes `slot`, folding a spilled set back inline when it fits again; a set of one
-    /// window is handled inline in the caller, as in `insert_spilling`.
+    /// Removes `slot`, folding a spilled set back inline when it fits again; an inline set is
+    /// handled inline in the caller, as in `insert_spilling`.
     #[inline]
     pub fn remove_spilling(&mut self, slot: Slot, spill: &mut Spill) {
-        if !self.is_spilled() && !self.is_list() {
-            self.remove(slot);
-            return;
-        }
-        self.remove_spilling_far(slot, spill)
-    }
-
-    #[inline(never)]
-    fn remove_spilling_far(&mut self, slot: Slot, spill: &mut Spill) {
         if !self.is_spilled() {
             self.remove(slot);
             return;
         }
+        self.remove_spilled(slot, spill)
+    }
+
+    /// The rest of `remove_spilling`: a spilled set.
+    #[inline(never)]
+    fn remove_spilled(&mut self, slot: Slot, spill: &mut Spill) {
         let Some(slabs) = spill.0.as_deref_mut() else {
             *self = WorkerSet::EMPTY;
             return;
