@@ -13,6 +13,8 @@ const MIN_CAP: usize = 8;
 /// Tables this small are not shrunk (only freed when empty): resizing them under churn
 /// costs more than the few hundred bytes it would give back.
 const SHRINK_ABOVE: usize = 64;
+/// The slot index that stands for `zero` (key 0) in a [`Spot`] or a hint.
+const ZERO: usize = usize::MAX;
 
 #[derive(Clone, Copy, Default)]
 struct Slot<V> {
@@ -29,11 +31,29 @@ pub(crate) struct LinearMap<V: Copy + Default, const SHRINK: bool = true> {
     zero: Option<V>,
     /// The process seed: keys are chosen by publishers, so their home slots must not be.
     seed: u64,
+    /// Removals and resizes so far (wrapping): they move slots, so a [`Spot`] taken before
+    /// one of them no longer names a place to insert.
+    moves: u32,
+}
+
+/// Where [`LinearMap::spot`] found a key, or the empty slot its insert would take.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Spot {
+    idx: usize,
+    held: bool,
+    moves: u32,
+}
+
+impl Spot {
+    /// The slot, as a hint for [`LinearMap::get_mut_near`].
+    pub(crate) fn slot(self) -> usize {
+        self.idx
+    }
 }
 
 impl<V: Copy + Default, const SHRINK: bool> Default for LinearMap<V, SHRINK> {
     fn default() -> Self {
-        LinearMap { slots: Vec::new(), used: 0, zero: None, seed: crate::seeded::process_seed() }
+        LinearMap { slots: Vec::new(), used: 0, zero: None, seed: crate::seeded::process_seed(), moves: 0 }
     }
 }
 
@@ -190,6 +210,92 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
         Some(gone)
     }
 
+    /// As [`Self::update_or_remove`], trying the slot `hint` first (see [`Self::get_mut_near`]).
+    #[inline]
+    pub fn update_or_remove_near(&mut self, key: u64, hint: usize, f: impl FnOnce(&mut V) -> bool) -> Option<bool> {
+        if key == EMPTY || self.slots.get(hint).is_none_or(|s| s.key != key) {
+            return self.update_or_remove(key, f);
+        }
+        let gone = f(&mut self.slots[hint].val);
+        if gone {
+            self.remove_at(hint);
+        }
+        Some(gone)
+    }
+
+    /// Where `key` is held, or the empty slot an insert of it would take: one probe that a
+    /// caller reads with [`Self::at`] and then fills with [`Self::put`].
+    #[inline]
+    pub fn spot(&self, key: u64) -> Spot {
+        let moves = self.moves;
+        if key == EMPTY {
+            return Spot { idx: ZERO, held: self.zero.is_some(), moves };
+        }
+        if self.slots.is_empty() {
+            return Spot { idx: ZERO, held: false, moves };
+        }
+        let mut i = self.home(key);
+        loop {
+            let k = self.slots[i].key;
+            if k == key || k == EMPTY {
+                return Spot { idx: i, held: k == key, moves };
+            }
+            i = self.next(i);
+        }
+    }
+
+    /// The value at a held [`Spot`] taken since the last removal or resize.
+    #[inline]
+    pub fn at(&self, spot: Spot) -> Option<&V> {
+        match (spot.held, spot.idx) {
+            (false, _) => None,
+            (true, ZERO) => self.zero.as_ref(),
+            (true, i) => Some(&self.slots[i].val),
+        }
+    }
+
+    /// Inserts `key`, absent at `spot`: straight into the slot the spot found if nothing was
+    /// removed or resized since and no resize is due, else by an ordinary insert. Returns
+    /// the slot it now holds, a hint for [`Self::get_mut_near`].
+    #[inline]
+    pub fn put(&mut self, spot: Spot, key: u64, val: V) -> usize {
+        let i = spot.idx;
+        if !spot.held
+            && spot.moves == self.moves
+            && i != ZERO
+            && (self.used + 1) * 4 <= self.slots.len() * 3
+            && self.slots[i].key == EMPTY
+        {
+            self.slots[i] = Slot { key, val };
+            self.used += 1;
+            return i;
+        }
+        self.insert(key, val);
+        if key == EMPTY {
+            return ZERO;
+        }
+        self.find(key).unwrap_or(ZERO)
+    }
+
+    /// As [`Self::get_mut`], trying the slot `hint` first (a slot `key` was seen in before;
+    /// any value is safe, a stale one costs the ordinary probe).
+    #[inline]
+    pub fn get_mut_near(&mut self, key: u64, hint: usize) -> Option<&mut V> {
+        if key != EMPTY && self.slots.get(hint).is_some_and(|s| s.key == key) {
+            return Some(&mut self.slots[hint].val);
+        }
+        self.get_mut(key)
+    }
+
+    /// As [`Self::get`], also naming the slot, for a later [`Self::get_mut_near`].
+    #[inline]
+    pub fn get_at(&self, key: u64) -> Option<(&V, usize)> {
+        if key == EMPTY {
+            return self.zero.as_ref().map(|v| (v, ZERO));
+        }
+        self.find(key).map(|i| (&self.slots[i].val, i))
+    }
+
     /// Removes `key`; shifts later keys of its probe run back so no tombstone remains.
     #[inline]
     pub fn remove(&mut self, key: u64) -> Option<V> {
@@ -203,6 +309,7 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     }
 
     fn remove_at(&mut self, mut hole: usize) {
+        self.moves = self.moves.wrapping_add(1);
         let mut j = hole;
         loop {
             j = self.next(j);
@@ -226,6 +333,7 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     }
 
     fn resize(&mut self, cap: usize) {
+        self.moves = self.moves.wrapping_add(1);
         let old = std::mem::take(&mut self.slots);
         self.slots = vec![Slot::default(); cap];
         for s in old.into_iter().filter(|s| s.key != EMPTY) {
@@ -309,13 +417,53 @@ mod tests {
 
     proptest! {
         #[test]
-        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..6, 0u64..40, any::<u32>()), 0..600)) {
+        fn behaves_like_a_hashmap(ops in proptest::collection::vec((0u8..10, 0u64..40, any::<u32>()), 0..600)) {
             let mut m: LinearMap<u32> = LinearMap::default();
             let mut r: HashMap<u64, u32> = HashMap::new();
+            // Slots last seen per key: hints that later removals and resizes make stale.
+            let mut seen: HashMap<u64, usize> = HashMap::new();
             for (op, k, v) in ops {
                 // Small keys collide in probe runs; also exercise key 0 and multiples of 2^60.
                 let key = if k % 7 == 0 { k << 58 } else { k };
+                // A hint: where the key was last seen, or any slot at all.
+                let hint = seen.get(&key).copied().unwrap_or(v as usize % 64);
                 match op {
+                    5 | 6 => {
+                        // One probe, then an insert there; with 6 another key goes in between
+                        // (removed if held, else inserted), which may move or fill slots.
+                        let spot = m.spot(key);
+                        prop_assert_eq!(m.at(spot).copied(), r.get(&key).copied());
+                        let other = key ^ 1;
+                        if op == 6 {
+                            if r.remove(&other).is_some() {
+                                m.remove(other);
+                            } else {
+                                m.insert(other, v);
+                                r.insert(other, v);
+                            }
+                        }
+                        if let std::collections::hash_map::Entry::Vacant(e) = r.entry(key) {
+                            seen.insert(key, m.put(spot, key, v));
+                            e.insert(v);
+                        }
+                    }
+                    7 => {
+                        let got = m.get_mut_near(key, hint).map(|x| { *x = x.wrapping_add(v); *x });
+                        let want = r.get_mut(&key).map(|x| { *x = x.wrapping_add(v); *x });
+                        prop_assert_eq!(got, want);
+                    }
+                    8 => {
+                        let f = |x: &mut u32| { *x /= 2; *x % 2 == 1 };
+                        let want = r.get_mut(&key).map(f);
+                        if want == Some(true) {
+                            r.remove(&key);
+                        }
+                        prop_assert_eq!(m.update_or_remove_near(key, hint, f), want);
+                    }
+                    9 => {
+                        let got = m.get_at(key).map(|(x, slot)| { seen.insert(key, slot); *x });
+                        prop_assert_eq!(got, r.get(&key).copied());
+                    }
                     0 => prop_assert_eq!(m.insert(key, v), r.insert(key, v)),
                     1 => prop_assert_eq!(m.remove(key), r.remove(&key)),
                     2 => {

@@ -17,7 +17,7 @@
 //! A worker that holds one place under two engine hashes at once is "tangled": nothing is
 //! hidden, and lookups that meet it check every position, until it is cleared.
 
-use super::linear::{prefetch_raw, LinearMap};
+use super::linear::{prefetch_raw, LinearMap, Spot};
 use super::{
     candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, Saved, SavedBlock,
     SavedParent, WorkerMatch,
@@ -80,16 +80,23 @@ impl Hint {
 
 /// `CHUNK` consecutive positions under one lock.
 struct Chunk {
-    levels: RwLock<Box<[LevelData]>>,
-    hints: Box<[Hint]>,
+    levels: RwLock<Box<[LevelData; CHUNK]>>,
+    hints: Box<[Hint; CHUNK]>,
 }
 
 impl Chunk {
     fn new() -> Self {
-        Chunk {
-            levels: RwLock::new((0..CHUNK).map(|_| LevelData::default()).collect()),
-            hints: (0..CHUNK).map(|_| Hint::default()).collect(),
-        }
+        Chunk { levels: RwLock::new(boxed_array(LevelData::default)), hints: boxed_array(Hint::default) }
+    }
+}
+
+/// `CHUNK` values on the heap, typed as an array so that indexing by `pos % CHUNK` needs no
+/// bounds check.
+fn boxed_array<T>(f: impl FnMut() -> T) -> Box<[T; CHUNK]> {
+    let all: Box<[T]> = std::iter::repeat_with(f).take(CHUNK).collect();
+    match all.try_into() {
+        Ok(array) => array,
+        Err(_) => unreachable!("exactly CHUNK values were collected"),
     }
 }
 
@@ -98,7 +105,9 @@ impl Chunk {
 struct WriteCursor<'a> {
     index: &'a PositionalIndex,
     chunk: usize,
-    guard: Option<RwLockWriteGuard<'a, Box<[LevelData]>>>,
+    guard: Option<RwLockWriteGuard<'a, Box<[LevelData; CHUNK]>>>,
+    /// The held chunk's hints, beside its guard.
+    hints: Option<&'a [Hint; CHUNK]>,
     held: u32,
     entries: i64,
     hidden: i64,
@@ -106,11 +115,25 @@ struct WriteCursor<'a> {
 
 impl<'a> WriteCursor<'a> {
     fn new(index: &'a PositionalIndex) -> Self {
-        WriteCursor { index, chunk: 0, guard: None, held: 0, entries: 0, hidden: 0 }
+        WriteCursor { index, chunk: 0, guard: None, hints: None, held: 0, entries: 0, hidden: 0 }
     }
 
     /// The level at `pos`, write-locked; `create` allocates its chunk if missing.
+    #[inline]
     fn level(&mut self, pos: u32, create: bool) -> Option<(&mut LevelData, &'a Hint)> {
+        let c = pos as usize / CHUNK;
+        if self.chunk == c && self.held < MAX_HOLD && self.guard.is_some() {
+            self.held += 1;
+            let hints = self.hints?;
+            let levels = self.guard.as_mut()?;
+            return Some((&mut levels[pos as usize % CHUNK], &hints[pos as usize % CHUNK]));
+        }
+        self.relock(pos, create)
+    }
+
+    /// [`Self::level`] when the chunk of `pos` is not the one held, or was held long enough.
+    #[inline(never)]
+    fn relock(&mut self, pos: u32, create: bool) -> Option<(&mut LevelData, &'a Hint)> {
         let c = pos as usize / CHUNK;
         let slot = self.index.chunks.get(c)?;
         let chunk: &'a Chunk = if create { slot.get_or_init(Chunk::new) } else { slot.get()? };
@@ -119,6 +142,7 @@ impl<'a> WriteCursor<'a> {
                 RwLockWriteGuard::unlock_fair(g);
             }
             self.guard = Some(chunk.levels.write());
+            self.hints = Some(&chunk.hints);
             self.chunk = c;
             self.held = 0;
         }
@@ -264,6 +288,8 @@ const PREFETCH: usize = 8;
 /// How far ahead of the block being removed the spilled members of its entry are prefetched
 /// (its slot, prefetched `PREFETCH` ahead, has arrived by then).
 const STAGE: usize = PREFETCH / 2;
+/// Slot hints a removal keeps for the blocks ahead: more than `PREFETCH`, a power of two.
+const RING: usize = 2 * PREFETCH;
 
 impl PositionalWriter {
     fn holey(&self) -> bool {
@@ -396,8 +422,9 @@ impl PositionalWriter {
         }
     }
 
-    /// Takes the removed block `rec` out of its parent's children, or out of its wait list.
-    fn unlink(&mut self, rec: &Rec) {
+    /// Takes the removed block `rec` out of its parent's children, or out of its wait list;
+    /// `parent_near` hints where the parent's record is.
+    fn unlink(&mut self, rec: &Rec, parent_near: usize) {
         let idx = rec.meta & SIB_MASK;
         if rec.meta & ORPHAN != 0 {
             self.unwait(rec.wait_key(), idx);
@@ -406,7 +433,7 @@ impl PositionalWriter {
                 self.no_more(rec.parent);
             }
         } else if rec.pos > 0 {
-            match self.blocks.get_mut(rec.parent) {
+            match self.blocks.get_mut_near(rec.parent, parent_near) {
                 Some(p) if p.meta & HAS_MORE == 0 => {
                     p.meta &= !HAS_CHILD;
                     return;
@@ -474,6 +501,8 @@ struct ParentRef {
     prefix: u64,
     /// False if the parent was dropped while the chain was stored.
     held: bool,
+    /// Its reverse-map slot when last seen, a hint that saves a probe (see `get_mut_near`).
+    slot: usize,
 }
 
 /// Per-thread buffers of lookups, so a lookup allocates nothing once warm.
@@ -560,26 +589,28 @@ impl PositionalIndex {
         }
     }
 
-    /// Puts the new block `hash` at `place` in the reverse map, linked under its parent (or as
-    /// an orphan), shows or hides it, and adopts the orphans waiting for its place; whether it
-    /// is hidden.
+    /// Puts the new block `hash` at `place` in the reverse map (at `spot`, where a probe found
+    /// it absent), linked under its parent (or as an orphan), shows or hides it, and adopts
+    /// the orphans waiting for its place; whether it is hidden, and its reverse-map slot.
+    #[allow(clippy::too_many_arguments)]
     fn place_new(
         &self,
         cur: &mut WriteCursor<'_>,
         w: &mut PositionalWriter,
         hash: u64,
+        spot: Spot,
         place: (u32, u64),
         parent: Option<ParentRef>,
         under_hidden: bool,
-    ) -> bool {
+    ) -> (bool, usize) {
         let (pos, prefix) = place;
         let mut rec = Rec { parent: 0, prefix, first_child: 0, pos, meta: 0 };
         let mut clean = true;
         let hidden = match parent {
             None => false,
-            Some(ParentRef { hash: ph, held: true, .. }) => {
+            Some(ParentRef { hash: ph, held: true, slot, .. }) => {
                 rec.parent = ph;
-                match w.blocks.get_mut(ph) {
+                match w.blocks.get_mut_near(ph, slot) {
                     Some(p) if p.meta & HAS_CHILD == 0 => {
                         p.meta |= HAS_CHILD;
                         p.first_child = hash;
@@ -608,7 +639,7 @@ impl PositionalIndex {
             cur.hidden += 1;
             clean &= w.hidden.insert(place_key(place), ()).is_none();
         }
-        w.blocks.insert(hash, rec);
+        let slot = w.blocks.put(spot, hash, rec);
         if !hidden && !self.index_add(cur, pos, prefix, w.slot) {
             *w.aliases.entry(place).or_default() += 1;
             clean = false;
@@ -637,12 +668,13 @@ impl PositionalIndex {
         if !clean {
             self.tangle(cur, w);
         }
-        hidden
+        (hidden, slot)
     }
 
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
     /// and its parent's children; its children become orphans, hidden with their subtrees.
-    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec) {
+    /// `parent_near` is a hint of the parent's reverse-map slot (see `get_mut_near`).
+    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec, parent_near: usize) {
         if w.tangled {
             let key = rec.place();
             match if w.aliases.is_empty() { None } else { w.aliases.get_mut(&key) } {
@@ -662,7 +694,7 @@ impl PositionalIndex {
         } else {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
         }
-        w.unlink(&rec);
+        w.unlink(&rec, parent_near);
         if rec.meta & HAS_CHILD == 0 {
             return;
         }
@@ -794,6 +826,7 @@ impl PositionalIndex {
     /// being in cache by now, the index entry (for a hidden block, its hidden-set slot) and the
     /// parent's record (for an orphan, its wait slot) D ahead, then the entry's spilled members
     /// `STAGE` ahead, and for `deferred` blocks (those with children) what orphaning them reads.
+    /// Returns the reverse-map slot of the block D ahead, a hint for its own removal.
     #[inline]
     fn prefetch_removal(
         &self,
@@ -802,14 +835,15 @@ impl PositionalIndex {
         n: usize,
         deferred: bool,
         key: impl Fn(usize) -> Option<u64>,
-    ) {
+    ) -> Option<usize> {
         let far = n + 2 * PREFETCH;
         for i in if n == 0 { 0 } else { far }..=far {
             if let Some(h) = key(i) {
                 w.blocks.prefetch_run(h);
             }
         }
-        if let Some(rec) = key(n + PREFETCH).and_then(|h| w.blocks.get(h)) {
+        let ahead = key(n + PREFETCH).and_then(|h| w.blocks.get_at(h));
+        if let Some((rec, _)) = ahead {
             if rec.hidden() {
                 w.hidden.prefetch(place_key(rec.place()));
             } else {
@@ -830,6 +864,7 @@ impl PositionalIndex {
                 w.prefetch_orphaning(rec);
             }
         }
+        ahead.map(|(_, slot)| slot)
     }
 
     fn note_holey(&self, w: &PositionalWriter, was: bool) {
@@ -845,7 +880,7 @@ impl PositionalIndex {
 struct ReadCursor<'a> {
     index: &'a PositionalIndex,
     chunk: usize,
-    guard: Option<RwLockReadGuard<'a, Box<[LevelData]>>>,
+    guard: Option<RwLockReadGuard<'a, Box<[LevelData; CHUNK]>>>,
 }
 
 impl<'a> ReadCursor<'a> {
@@ -943,10 +978,10 @@ impl KvIndex for PositionalIndex {
         let mut under_hidden = false;
         let (mut parent_ref, mut pos) = match parent {
             None => (None, 0u32),
-            Some(h) => match w.blocks.get(h.0) {
-                Some(p) => {
+            Some(h) => match w.blocks.get_at(h.0) {
+                Some((p, slot)) => {
                     under_hidden = p.hidden();
-                    (Some(ParentRef { hash: h.0, prefix: p.prefix, held: true }), p.pos + 1)
+                    (Some(ParentRef { hash: h.0, prefix: p.prefix, held: true, slot }), p.pos + 1)
                 }
                 None if w.beyond.contains(h) => {
                     out.too_deep = w.beyond.add(blocks);
@@ -985,17 +1020,19 @@ impl KvIndex for PositionalIndex {
             }
             let hash = b.block_hash.0;
             let prefix = chain[n];
-            if let Some(&old) = w.blocks.get(hash) {
+            let mut spot = w.blocks.spot(hash);
+            if let Some(&old) = w.blocks.at(spot) {
                 if old.pos == pos && old.prefix == prefix {
                     out.duplicates += 1;
-                    parent_ref = Some(ParentRef { hash, prefix, held: true });
+                    parent_ref = Some(ParentRef { hash, prefix, held: true, slot: spot.slot() });
                     under_hidden = old.hidden();
                     pos += 1;
                     continue;
                 }
                 // The engine reused this hash for another block: its old placement goes.
                 w.blocks.remove(hash);
-                self.remove_rec(&mut cur, w, hash, old);
+                self.remove_rec(&mut cur, w, hash, old, usize::MAX);
+                spot = w.blocks.spot(hash);
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
                 if let Some(p) = parent_ref.as_mut() {
@@ -1005,17 +1042,18 @@ impl KvIndex for PositionalIndex {
                     }
                 }
             }
-            under_hidden = if w.tangled {
-                w.blocks.insert(hash, Rec { parent: 0, prefix, first_child: 0, pos, meta: 0 });
+            let slot;
+            (under_hidden, slot) = if w.tangled {
+                let slot = w.blocks.put(spot, hash, Rec { parent: 0, prefix, first_child: 0, pos, meta: 0 });
                 if !self.index_add(&mut cur, pos, prefix, w.slot) {
                     *w.aliases.entry((pos, prefix)).or_default() += 1;
                 }
-                false
+                (false, slot)
             } else {
-                self.place_new(&mut cur, w, hash, (pos, prefix), parent_ref, under_hidden)
+                self.place_new(&mut cur, w, hash, spot, (pos, prefix), parent_ref, under_hidden)
             };
             out.stored += 1;
-            parent_ref = Some(ParentRef { hash, prefix, held: true });
+            parent_ref = Some(ParentRef { hash, prefix, held: true, slot });
             pos += 1;
         }
         CHAIN.set(chain);
@@ -1031,20 +1069,30 @@ impl KvIndex for PositionalIndex {
         let mut cur = WriteCursor::new(self);
         let mut last = LAST.take();
         last.clear();
+        // Reverse-map slots of the blocks ahead, as the prefetch saw them (hints: a removal
+        // may have moved them since).
+        let mut near = [usize::MAX; RING];
         for (n, h) in hashes.iter().enumerate() {
-            self.prefetch_removal(&cur, w, n, false, |i| hashes.get(i).map(|h| h.0));
+            if let Some(slot) = self.prefetch_removal(&cur, w, n, false, |i| hashes.get(i).map(|h| h.0)) {
+                near[(n + PREFETCH) % RING] = slot;
+            }
             let was_beyond = w.beyond.forget(*h);
             // A block with children would make a hole: such blocks go last, deepest first, so
             // that descendants this event removes too are gone before a subtree is hidden.
             let defer = !w.tangled;
             let mut seen = None;
-            let found = w.blocks.update_or_remove(h.0, |r| {
+            let found = w.blocks.update_or_remove_near(h.0, near[n % RING], |r| {
                 seen = Some(*r);
                 !(defer && r.meta & HAS_CHILD != 0)
             });
             match (found, seen) {
                 (Some(true), Some(rec)) => {
-                    self.remove_rec(&mut cur, w, h.0, rec);
+                    // Tail first, the parent is often the next block named.
+                    let parent_near = match hashes.get(n + 1) {
+                        Some(next) if next.0 == rec.parent => near[(n + 1) % RING],
+                        _ => usize::MAX,
+                    };
+                    self.remove_rec(&mut cur, w, h.0, rec, parent_near);
                     out.removed += 1;
                 }
                 (Some(false), Some(rec)) => last.push((rec.pos, h.0)),
@@ -1059,7 +1107,7 @@ impl KvIndex for PositionalIndex {
             self.prefetch_removal(&cur, w, n, true, |i| last.get(i).map(|b| b.1));
             match w.blocks.remove(h) {
                 Some(rec) => {
-                    self.remove_rec(&mut cur, w, h, rec);
+                    self.remove_rec(&mut cur, w, h, rec, usize::MAX);
                     out.removed += 1;
                 }
                 None => out.unknown_removes += 1,
@@ -1173,12 +1221,13 @@ impl KvIndex for PositionalIndex {
                 out.too_deep += 1;
                 continue;
             }
-            if w.blocks.get(b.hash).is_some() {
+            let spot = w.blocks.spot(b.hash);
+            if w.blocks.at(spot).is_some() {
                 out.duplicates += 1;
                 continue;
             }
             if w.tangled {
-                w.blocks.insert(b.hash, Rec { parent: 0, prefix: b.key, first_child: 0, pos: b.pos, meta: 0 });
+                w.blocks.put(spot, b.hash, Rec { parent: 0, prefix: b.key, first_child: 0, pos: b.pos, meta: 0 });
                 if !self.index_add(&mut cur, b.pos, b.key, w.slot) {
                     *w.aliases.entry(place).or_default() += 1;
                 }
@@ -1187,22 +1236,24 @@ impl KvIndex for PositionalIndex {
             }
             let (parent, under_hidden) = match &b.parent {
                 SavedParent::Root if b.pos == 0 => (None, false),
-                SavedParent::Block(ph) if b.pos > 0 => match w.blocks.get(*ph) {
-                    Some(p) if p.pos + 1 == b.pos => (Some(ParentRef { hash: *ph, prefix: p.prefix, held: true }), p.hidden()),
+                SavedParent::Block(ph) if b.pos > 0 => match w.blocks.get_at(*ph) {
+                    Some((p, slot)) if p.pos + 1 == b.pos => {
+                        (Some(ParentRef { hash: *ph, prefix: p.prefix, held: true, slot }), p.hidden())
+                    }
                     _ => {
                         out.unplaceable += 1;
                         continue;
                     }
                 },
                 SavedParent::Place(key) if b.pos > 0 && key.len() == 1 => {
-                    (Some(ParentRef { hash: 0, prefix: key[0], held: false }), true)
+                    (Some(ParentRef { hash: 0, prefix: key[0], held: false, slot: usize::MAX }), true)
                 }
                 _ => {
                     out.unplaceable += 1;
                     continue;
                 }
             };
-            self.place_new(&mut cur, w, b.hash, place, parent, under_hidden);
+            self.place_new(&mut cur, w, b.hash, spot, place, parent, under_hidden);
             out.stored += 1;
         }
         drop(cur);
