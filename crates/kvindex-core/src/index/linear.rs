@@ -80,16 +80,6 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
         }
     }
 
-    /// Slots from `from` forward to `to`, wrapping.
-    #[inline]
-    fn dist(&self, from: usize, to: usize) -> usize {
-        if to >= from {
-            to - from
-        } else {
-            to + self.slots.len() - from
-        }
-    }
-
     /// Index of `key`'s slot, if present (`key` != EMPTY).
     #[inline]
     fn find(&self, key: u64) -> Option<usize> {
@@ -308,22 +298,35 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
         Some(val)
     }
 
+    /// Empties slot `hole`, moving later keys of its probe run back into it. The run is
+    /// scanned to its end: up to the last slot, then on from slot 0 if it wraps.
     fn remove_at(&mut self, mut hole: usize) {
         self.moves = self.moves.wrapping_add(1);
-        let mut j = hole;
-        loop {
-            j = self.next(j);
-            let k = self.slots[j].key;
-            if k == EMPTY {
-                break;
+        let (n, seed) = (self.slots.len(), self.seed);
+        let slots = &mut self.slots[..];
+        // dist(hole, j): how far the hole is behind the key looked at.
+        let mut gap = 0;
+        let mut j = hole + 1;
+        'run: loop {
+            while j < n {
+                let k = slots[j].key;
+                if k == EMPTY {
+                    break 'run;
+                }
+                gap += 1;
+                // Move k back into the hole unless its home lies cyclically in (hole, j].
+                let home = home_of(k, seed, n);
+                let behind = if j >= home { j - home } else { j + n - home };
+                if behind >= gap {
+                    slots[hole] = slots[j];
+                    hole = j;
+                    gap = 0;
+                }
+                j += 1;
             }
-            // Move k back into the hole unless its home lies cyclically in (hole, j].
-            if self.dist(self.home(k), j) >= self.dist(hole, j) {
-                self.slots[hole] = self.slots[j];
-                hole = j;
-            }
+            j = 0;
         }
-        self.slots[hole].key = EMPTY;
+        slots[hole].key = EMPTY;
         self.used -= 1;
         if self.used == 0 {
             self.slots = Vec::new();
