@@ -554,6 +554,7 @@ impl PositionalIndex {
     }
 
     /// Adds `slot` to the entry (pos, prefix); false if it was already there.
+    #[inline(always)]
     fn index_add(&self, cur: &mut WriteCursor<'_>, pos: u32, prefix: u64, slot: Slot) -> bool {
         let Some((level, hint)) = cur.level(pos, true) else { return true };
         let LevelData { table, spill } = level;
@@ -567,6 +568,7 @@ impl PositionalIndex {
     }
 
     /// Removes `slot` from the entry (pos, prefix), dropping the entry when empty.
+    #[inline(always)]
     fn index_remove(&self, cur: &mut WriteCursor<'_>, pos: u32, prefix: u64, slot: Slot) {
         let Some((level, hint)) = cur.level(pos, false) else { return };
         let LevelData { table, spill } = level;
@@ -593,6 +595,7 @@ impl PositionalIndex {
     /// it absent), linked under its parent (or as an orphan), shows or hides it, and adopts
     /// the orphans waiting for its place; whether it is hidden, and its reverse-map slot.
     #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
     fn place_new(
         &self,
         cur: &mut WriteCursor<'_>,
@@ -674,6 +677,7 @@ impl PositionalIndex {
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
     /// and its parent's children; its children become orphans, hidden with their subtrees.
     /// `parent_near` is a hint of the parent's reverse-map slot (see `get_mut_near`).
+    #[inline(always)]
     fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec, parent_near: usize) {
         if w.tangled {
             let key = rec.place();
