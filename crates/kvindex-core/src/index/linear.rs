@@ -13,8 +13,9 @@ const MIN_CAP: usize = 8;
 /// Tables this small are not shrunk (only freed when empty): resizing them under churn
 /// costs more than the few hundred bytes it would give back.
 const SHRINK_ABOVE: usize = 64;
-/// The slot index that stands for `zero` (key 0) in a [`Spot`] or a hint.
-const ZERO: usize = usize::MAX;
+/// A slot index that names no slot: key 0's place (it lives in `zero`), or "no hint" for the
+/// `_near` calls.
+pub(crate) const NO_SLOT: usize = usize::MAX;
 
 #[derive(Clone, Copy, Default)]
 struct Slot<V> {
@@ -219,10 +220,10 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     pub fn spot(&self, key: u64) -> Spot {
         let moves = self.moves;
         if key == EMPTY {
-            return Spot { idx: ZERO, held: self.zero.is_some(), moves };
+            return Spot { idx: NO_SLOT, held: self.zero.is_some(), moves };
         }
         if self.slots.is_empty() {
-            return Spot { idx: ZERO, held: false, moves };
+            return Spot { idx: NO_SLOT, held: false, moves };
         }
         let mut i = self.home(key);
         loop {
@@ -239,7 +240,7 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     pub fn at(&self, spot: Spot) -> Option<&V> {
         match (spot.held, spot.idx) {
             (false, _) => None,
-            (true, ZERO) => self.zero.as_ref(),
+            (true, NO_SLOT) => self.zero.as_ref(),
             (true, i) => Some(&self.slots[i].val),
         }
     }
@@ -252,7 +253,7 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
         let i = spot.idx;
         if !spot.held
             && spot.moves == self.moves
-            && i != ZERO
+            && i != NO_SLOT
             && (self.used + 1) * 4 <= self.slots.len() * 3
             && self.slots[i].key == EMPTY
         {
@@ -262,9 +263,9 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
         }
         self.insert(key, val);
         if key == EMPTY {
-            return ZERO;
+            return NO_SLOT;
         }
-        self.find(key).unwrap_or(ZERO)
+        self.find(key).unwrap_or(NO_SLOT)
     }
 
     /// As [`Self::get_mut`], trying the slot `hint` first (a slot `key` was seen in before;
@@ -281,7 +282,7 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     #[inline]
     pub fn get_at(&self, key: u64) -> Option<(&V, usize)> {
         if key == EMPTY {
-            return self.zero.as_ref().map(|v| (v, ZERO));
+            return self.zero.as_ref().map(|v| (v, NO_SLOT));
         }
         self.find(key).map(|i| (&self.slots[i].val, i))
     }

@@ -17,7 +17,7 @@
 //! A worker that holds one place under two engine hashes at once is "tangled": nothing is
 //! hidden, and lookups that meet it check every position, until it is cleared.
 
-use super::linear::{prefetch_raw, LinearMap, Spot};
+use super::linear::{prefetch_raw, LinearMap, Spot, NO_SLOT};
 use super::{
     candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, Saved, SavedBlock,
     SavedParent, WorkerMatch,
@@ -106,7 +106,8 @@ struct WriteCursor<'a> {
     index: &'a PositionalIndex,
     chunk: usize,
     guard: Option<RwLockWriteGuard<'a, Box<[LevelData; CHUNK]>>>,
-    /// The held chunk's hints, beside its guard.
+    /// The hints of the chunk whose levels `guard` holds: kept apart from the chunk, so that
+    /// a level's hint is one load away, not two.
     hints: Option<&'a [Hint; CHUNK]>,
     held: u32,
     entries: i64,
@@ -131,22 +132,20 @@ impl<'a> WriteCursor<'a> {
         self.relock(pos, create)
     }
 
-    /// [`Self::level`] when the chunk of `pos` is not the one held, or was held long enough.
+    /// [`Self::level`] when the chunk of `pos` is not the one held, or was held long enough:
+    /// lets the held one go and locks that of `pos`.
     #[inline(never)]
     fn relock(&mut self, pos: u32, create: bool) -> Option<(&mut LevelData, &'a Hint)> {
         let c = pos as usize / CHUNK;
         let slot = self.index.chunks.get(c)?;
         let chunk: &'a Chunk = if create { slot.get_or_init(Chunk::new) } else { slot.get()? };
-        if self.guard.is_none() || self.chunk != c || self.held >= MAX_HOLD {
-            if let Some(g) = self.guard.take() {
-                RwLockWriteGuard::unlock_fair(g);
-            }
-            self.guard = Some(chunk.levels.write());
-            self.hints = Some(&chunk.hints);
-            self.chunk = c;
-            self.held = 0;
+        if let Some(g) = self.guard.take() {
+            RwLockWriteGuard::unlock_fair(g);
         }
-        self.held += 1;
+        self.guard = Some(chunk.levels.write());
+        self.hints = Some(&chunk.hints);
+        self.chunk = c;
+        self.held = 1;
         let levels = self.guard.as_mut()?;
         Some((&mut levels[pos as usize % CHUNK], &chunk.hints[pos as usize % CHUNK]))
     }
@@ -1024,7 +1023,7 @@ impl KvIndex for PositionalIndex {
             }
             let hash = b.block_hash.0;
             let prefix = chain[n];
-            let mut spot = w.blocks.spot(hash);
+            let spot = w.blocks.spot(hash);
             if let Some(&old) = w.blocks.at(spot) {
                 if old.pos == pos && old.prefix == prefix {
                     out.duplicates += 1;
@@ -1033,10 +1032,10 @@ impl KvIndex for PositionalIndex {
                     pos += 1;
                     continue;
                 }
-                // The engine reused this hash for another block: its old placement goes.
+                // The engine reused this hash for another block: its old placement goes (and
+                // `spot` with it: `put` sees the removal and inserts the ordinary way).
                 w.blocks.remove(hash);
-                self.remove_rec(&mut cur, w, hash, old, usize::MAX);
-                spot = w.blocks.spot(hash);
+                self.remove_rec(&mut cur, w, hash, old, NO_SLOT);
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
                 if let Some(p) = parent_ref.as_mut() {
@@ -1075,7 +1074,7 @@ impl KvIndex for PositionalIndex {
         last.clear();
         // Reverse-map slots of the blocks ahead, as the prefetch saw them (hints: a removal
         // may have moved them since).
-        let mut near = [usize::MAX; RING];
+        let mut near = [NO_SLOT; RING];
         for (n, h) in hashes.iter().enumerate() {
             if let Some(slot) = self.prefetch_removal(&cur, w, n, false, |i| hashes.get(i).map(|h| h.0)) {
                 near[(n + PREFETCH) % RING] = slot;
@@ -1094,7 +1093,7 @@ impl KvIndex for PositionalIndex {
                     // Tail first, the parent is often the next block named.
                     let parent_near = match hashes.get(n + 1) {
                         Some(next) if next.0 == rec.parent => near[(n + 1) % RING],
-                        _ => usize::MAX,
+                        _ => NO_SLOT,
                     };
                     self.remove_rec(&mut cur, w, h.0, rec, parent_near);
                     out.removed += 1;
@@ -1111,7 +1110,7 @@ impl KvIndex for PositionalIndex {
             self.prefetch_removal(&cur, w, n, true, |i| last.get(i).map(|b| b.1));
             match w.blocks.remove(h) {
                 Some(rec) => {
-                    self.remove_rec(&mut cur, w, h, rec, usize::MAX);
+                    self.remove_rec(&mut cur, w, h, rec, NO_SLOT);
                     out.removed += 1;
                 }
                 None => out.unknown_removes += 1,
@@ -1250,7 +1249,7 @@ impl KvIndex for PositionalIndex {
                     }
                 },
                 SavedParent::Place(key) if b.pos > 0 && key.len() == 1 => {
-                    (Some(ParentRef { hash: 0, prefix: key[0], held: false, slot: usize::MAX }), true)
+                    (Some(ParentRef { hash: 0, prefix: key[0], held: false, slot: NO_SLOT }), true)
                 }
                 _ => {
                     out.unplaceable += 1;
