@@ -472,14 +472,6 @@ impl PositionalWriter {
         }
     }
 
-    /// Starts fetching what removing the block `rec` with children touches next: its first
-    /// child's record and the wait-list slot its children will be orphaned to.
-    #[inline]
-    fn prefetch_orphaning(&self, rec: &Rec) {
-        self.prefetch_first_child(rec);
-        self.waiting.prefetch(place_key(rec.place()));
-    }
-
     /// Pushes the children of `hash` (its record `rec`) onto `out`.
     fn children_into(&self, hash: u64, rec: &Rec, out: &mut Vec<u64>) {
         if rec.meta & HAS_CHILD != 0 {
@@ -519,12 +511,13 @@ thread_local! {
     /// Writes' scratch: the prefix hashes of the chain being stored. Kept per apply thread,
     /// not per worker, where a thousand workers would each keep their longest chain's worth.
     static CHAIN: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
-    /// Writes' scratch: the blocks left to visit in a subtree walk (per thread, as `CHAIN`).
-    static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the blocks a subtree walk visits (per thread, as `CHAIN`).
+    static QUEUE: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
     static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
-    /// Writes' scratch: the blocks a removal leaves for last (per thread, as `CHAIN`).
-    static LAST: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the places a removal left orphans at, whose orphans it hides once all
+    /// its blocks are gone (per thread, as `CHAIN`).
+    static VACATED: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
 }
 
 impl Default for PositionalIndex {
@@ -647,24 +640,8 @@ impl PositionalIndex {
             clean = false;
         }
         if !w.waiting.is_empty() {
-            let key = place_key(place);
-            if let Some(first) = w.waiting.remove(key) {
-                let mut orphans = STACK.take();
-                orphans.clear();
-                orphans.push(first);
-                if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.remove(&key) } {
-                    orphans.extend_from_slice(&more);
-                }
-                for &o in &orphans {
-                    // A key shared by two places (odds about 2^-64) mixes their orphans.
-                    let waits_here = w.blocks.get(o).is_some_and(|r| r.pos == pos + 1 && r.parent == prefix);
-                    clean &= waits_here && w.link(hash, o);
-                }
-                if hidden && self.same_window(rec.pos) {
-                    STACK.set(orphans);
-                } else {
-                    clean &= self.reveal(cur, w, orphans);
-                }
+            if let Some(first) = w.waiting.remove(place_key(place)) {
+                clean &= self.adopt(cur, w, hash, place, first, hidden);
             }
         }
         if !clean {
@@ -673,11 +650,54 @@ impl PositionalIndex {
         (hidden, slot)
     }
 
+    /// The new block `hash` at `place` takes in the orphans waiting for it (`first` and those
+    /// in `more_waiting`), showing them unless it is hidden itself in their window; false if
+    /// the links or the walk overflowed. Out of line: only a store that fills a hole gets here.
+    #[inline(never)]
+    fn adopt(
+        &self,
+        cur: &mut WriteCursor<'_>,
+        w: &mut PositionalWriter,
+        hash: u64,
+        place: (u32, u64),
+        first: u64,
+        hidden: bool,
+    ) -> bool {
+        let (pos, prefix) = place;
+        let key = place_key(place);
+        let mut clean = true;
+        let mut orphans = QUEUE.take();
+        orphans.clear();
+        orphans.push(first);
+        if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.remove(&key) } {
+            orphans.extend_from_slice(&more);
+        }
+        for &o in &orphans {
+            // A key shared by two places (odds about 2^-64) mixes their orphans.
+            let waits_here = w.blocks.get(o).is_some_and(|r| r.pos == pos + 1 && r.parent == prefix);
+            clean &= waits_here && w.link(hash, o);
+        }
+        if !hidden || !self.same_window(pos) {
+            clean &= self.walk(cur, w, &mut orphans, true, MAX_WALK);
+        }
+        QUEUE.set(orphans);
+        clean
+    }
+
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
-    /// and its parent's children; its children become orphans, hidden with their subtrees.
-    /// `parent_near` is a hint of the parent's reverse-map slot (see `get_mut_near`).
+    /// and its parent's children; its children become orphans, their place pushed on
+    /// `vacated` for the caller to hide (see [`Self::hide`]). `parent_near` is a hint of the parent's
+    /// reverse-map slot (see `get_mut_near`).
     #[inline(always)]
-    fn remove_rec(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: Rec, parent_near: usize) {
+    fn remove_rec(
+        &self,
+        cur: &mut WriteCursor<'_>,
+        w: &mut PositionalWriter,
+        hash: u64,
+        rec: Rec,
+        parent_near: usize,
+        vacated: &mut Vec<u64>,
+    ) {
         if w.tangled {
             let key = rec.place();
             match if w.aliases.is_empty() { None } else { w.aliases.get_mut(&key) } {
@@ -698,27 +718,42 @@ impl PositionalIndex {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
         }
         w.unlink(&rec, parent_near);
-        if rec.meta & HAS_CHILD == 0 {
-            return;
+        if rec.meta & HAS_CHILD != 0 {
+            self.orphan_children(cur, w, hash, &rec, vacated);
         }
-        let mut kids = STACK.take();
-        kids.clear();
-        w.children_into(hash, &rec, &mut kids);
-        if rec.meta & HAS_MORE != 0 {
-            w.more_children.remove(&hash);
+    }
+
+    /// The children of the removed block `hash` (its record `rec`) become orphans waiting at
+    /// its place, whose key is pushed on `vacated` for [`Self::hide`]. Out of line: a removal
+    /// in the usual order (tail first) finds no children.
+    #[inline(never)]
+    fn orphan_children(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: &Rec, vacated: &mut Vec<u64>) {
+        let more = if rec.meta & HAS_MORE != 0 { w.more_children.remove(&hash) } else { None };
+        let mut fits = more.as_ref().map_or(0, |m| m.len()) < MAX_WALK;
+        if fits {
+            fits &= w.orphan(rec.first_child, rec.place());
+            for &k in more.iter().flatten() {
+                fits &= w.orphan(k, rec.place());
+            }
         }
-        if kids.len() > MAX_WALK {
-            STACK.set(kids);
+        if fits {
+            vacated.push(place_key(rec.place()));
+        } else {
+            vacated.clear();
             self.tangle(cur, w);
-            return;
         }
-        let mut fits = true;
-        for &k in &kids {
-            fits &= w.orphan(k, rec.place());
-        }
-        if !self.hide(cur, w, kids) || !fits {
-            self.tangle(cur, w);
-        }
+    }
+
+    /// Takes out the block `hash` (its record `old`) that a store names again at another place,
+    /// hiding its orphans at once. Rare, so kept out of the store loop's code.
+    #[inline(never)]
+    fn drop_replaced(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, old: Rec) {
+        w.blocks.remove(hash);
+        let mut vacated = VACATED.take();
+        vacated.clear();
+        self.remove_rec(cur, w, hash, old, NO_SLOT, &mut vacated);
+        self.hide(cur, w, &mut vacated, 1);
+        VACATED.set(vacated);
     }
 
     /// Whether positions `pos` and `pos + 1` lie in one jump window: `(k * jump, (k + 1) * jump]`,
@@ -728,32 +763,56 @@ impl PositionalIndex {
         pos as usize % self.cfg.jump != 0
     }
 
-    /// Hides the blocks in `stack` (new orphans) and their descendants in the same jump window
-    /// from lookups; false if that is more than `MAX_WALK` blocks, or a place turned out to be
-    /// held twice (the caller tangles).
-    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: Vec<u64>) -> bool {
-        self.walk(cur, w, stack, false)
+    /// Hides the orphans still waiting at the places a write vacated (`vacated`, emptied: the
+    /// [`place_key`]s that [`Self::orphan_children`] pushed) with their descendants in the
+    /// same jump window. Done once the write's removals are over, so that no walk hides what
+    /// the same event removes next; the orphans it removed have left the small wait table, so
+    /// they cost no probe of the reverse map. The walk may visit `MAX_WALK` blocks per block
+    /// the write removed; past that, or if a place turned out to be held twice, the worker is
+    /// tangled.
+    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, vacated: &mut Vec<u64>, removed: usize) {
+        if w.tangled || vacated.is_empty() {
+            vacated.clear();
+            return;
+        }
+        let mut queue = QUEUE.take();
+        queue.clear();
+        for &key in vacated.iter() {
+            if let Some(&first) = w.waiting.get(key) {
+                queue.push(first);
+                if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.get(&key) } {
+                    queue.extend_from_slice(more);
+                }
+            }
+        }
+        vacated.clear();
+        let clean = self.walk(cur, w, &mut queue, false, MAX_WALK.saturating_mul(removed));
+        QUEUE.set(queue);
+        if !clean {
+            self.tangle(cur, w);
+        }
     }
 
-    /// Shows the blocks in `stack` (orphans just adopted under a visible parent) and their
-    /// descendants in the same jump window; false if a place turned out to be held twice, or
-    /// the walk passed `MAX_WALK` (the caller then tangles the worker).
-    fn reveal(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: Vec<u64>) -> bool {
-        self.walk(cur, w, stack, true)
-    }
-
-    /// The walk of [`Self::hide`] (`show` false) and [`Self::reveal`]. The hidden set and the
-    /// index entries are updated after the walk, their fetches started during it, so that
-    /// they overlap one another rather than each wait for the one before.
-    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, mut stack: Vec<u64>, show: bool) -> bool {
+    /// Hides (`show` false) or shows the blocks in `queue` (emptied) and their descendants in
+    /// the same jump window; false if a place turned out to be held twice, or the walk passed
+    /// `limit` blocks. Breadth first, so that the records of the many subtrees a removal
+    /// orphans are fetched `PREFETCH` blocks ahead, not each after its parent's. The hidden
+    /// set and the index entries are updated after the walk, their fetches started during it,
+    /// so that they overlap one another rather than each wait for the one before.
+    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, queue: &mut Vec<u64>, show: bool, limit: usize) -> bool {
         let mut clean = true;
-        let mut walked = 0;
         let mut places = PLACES.take();
         places.clear();
-        while let Some(h) = stack.pop() {
-            walked += 1;
-            if walked > MAX_WALK {
-                stack.clear();
+        for &h in queue.iter().take(PREFETCH) {
+            w.blocks.prefetch(h);
+        }
+        let mut next = 0;
+        while let Some(&h) = queue.get(next) {
+            if let Some(&ahead) = queue.get(next + PREFETCH) {
+                w.blocks.prefetch(ahead);
+            }
+            next += 1;
+            if next > limit {
                 clean = false;
                 break;
             }
@@ -778,9 +837,10 @@ impl PositionalIndex {
             w.hidden.prefetch(place_key(rec.place()));
             places.push(rec.place());
             if deeper {
-                w.children_into(h, &rec, &mut stack);
+                w.children_into(h, &rec, queue);
             }
         }
+        queue.clear();
         for &(pos, prefix) in &places {
             let key = place_key((pos, prefix));
             if show {
@@ -797,7 +857,6 @@ impl PositionalIndex {
             }
         }
         PLACES.set(places);
-        STACK.set(stack);
         clean
     }
 
@@ -827,8 +886,8 @@ impl PositionalIndex {
     /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
     /// being in cache by now, the index entry (for a hidden block, its hidden-set slot) and the
-    /// parent's record (for an orphan, its wait slot) D ahead, then the entry's spilled members
-    /// `STAGE` ahead, and for `deferred` blocks (those with children) what orphaning them reads.
+    /// parent's record (for an orphan, its wait slot) and, for a block with children, what
+    /// orphaning them reads, D ahead, then the entry's spilled members `STAGE` ahead.
     /// Returns the reverse-map slot of the block D ahead, a hint for its own removal.
     #[inline]
     fn prefetch_removal(
@@ -836,7 +895,6 @@ impl PositionalIndex {
         cur: &WriteCursor<'_>,
         w: &PositionalWriter,
         n: usize,
-        deferred: bool,
         key: impl Fn(usize) -> Option<u64>,
     ) -> Option<usize> {
         let far = n + 2 * PREFETCH;
@@ -858,13 +916,9 @@ impl PositionalIndex {
                 w.blocks.prefetch(rec.parent);
             }
         }
-        let spill = self.registry.may_spill();
-        if let Some(rec) = key(n + STAGE).filter(|_| spill || deferred).and_then(|h| w.blocks.get(h)) {
-            if spill {
+        if self.registry.may_spill() {
+            if let Some(rec) = key(n + STAGE).and_then(|h| w.blocks.get(h)) {
                 cur.prefetch_members(rec.pos, rec.prefix);
-            }
-            if deferred {
-                w.prefetch_orphaning(rec);
             }
         }
         ahead.map(|(_, slot)| slot)
@@ -1034,8 +1088,7 @@ impl KvIndex for PositionalIndex {
                 }
                 // The engine reused this hash for another block: its old placement goes (and
                 // `spot` with it: `put` sees the removal and inserts the ordinary way).
-                w.blocks.remove(hash);
-                self.remove_rec(&mut cur, w, hash, old, NO_SLOT);
+                self.drop_replaced(&mut cur, w, hash, old);
                 self.placements.fetch_sub(1, Ordering::Relaxed);
                 out.replaced += 1;
                 if let Some(p) = parent_ref.as_mut() {
@@ -1070,53 +1123,39 @@ impl KvIndex for PositionalIndex {
         let mut out = ApplyOutcome::default();
         let was_holey = w.holey();
         let mut cur = WriteCursor::new(self);
-        let mut last = LAST.take();
-        last.clear();
+        // Places whose orphans are hidden at the end: by then the event's removals of their
+        // own descendants are done, in whatever order it named them.
+        let mut vacated = VACATED.take();
+        vacated.clear();
         // Reverse-map slots of the blocks ahead, as the prefetch saw them (hints: a removal
         // may have moved them since).
         let mut near = [NO_SLOT; RING];
         for (n, h) in hashes.iter().enumerate() {
-            if let Some(slot) = self.prefetch_removal(&cur, w, n, false, |i| hashes.get(i).map(|h| h.0)) {
+            if let Some(slot) = self.prefetch_removal(&cur, w, n, |i| hashes.get(i).map(|h| h.0)) {
                 near[(n + PREFETCH) % RING] = slot;
             }
             let was_beyond = w.beyond.forget(*h);
-            // A block with children would make a hole: such blocks go last, deepest first, so
-            // that descendants this event removes too are gone before a subtree is hidden.
-            let defer = !w.tangled;
             let mut seen = None;
-            let found = w.blocks.update_or_remove_near(h.0, near[n % RING], |r| {
+            w.blocks.update_or_remove_near(h.0, near[n % RING], |r| {
                 seen = Some(*r);
-                !(defer && r.meta & HAS_CHILD != 0)
+                true
             });
-            match (found, seen) {
-                (Some(true), Some(rec)) => {
+            match seen {
+                Some(rec) => {
                     // Tail first, the parent is often the next block named.
                     let parent_near = match hashes.get(n + 1) {
                         Some(next) if next.0 == rec.parent => near[(n + 1) % RING],
                         _ => NO_SLOT,
                     };
-                    self.remove_rec(&mut cur, w, h.0, rec, parent_near);
+                    self.remove_rec(&mut cur, w, h.0, rec, parent_near, &mut vacated);
                     out.removed += 1;
                 }
-                (Some(false), Some(rec)) => last.push((rec.pos, h.0)),
-                _ if was_beyond => {}
-                _ => out.unknown_removes += 1,
-            }
-        }
-        if !last.is_sorted_by(|a, b| a.0 >= b.0) {
-            last.sort_unstable_by_key(|b| std::cmp::Reverse(b.0));
-        }
-        for (n, &(_, h)) in last.iter().enumerate() {
-            self.prefetch_removal(&cur, w, n, true, |i| last.get(i).map(|b| b.1));
-            match w.blocks.remove(h) {
-                Some(rec) => {
-                    self.remove_rec(&mut cur, w, h, rec, NO_SLOT);
-                    out.removed += 1;
-                }
+                None if was_beyond => {}
                 None => out.unknown_removes += 1,
             }
         }
-        LAST.set(last);
+        self.hide(&mut cur, w, &mut vacated, hashes.len());
+        VACATED.set(vacated);
         w.trim();
         self.placements.fetch_sub(out.removed as i64, Ordering::Relaxed);
         self.note_holey(w, was_holey);
