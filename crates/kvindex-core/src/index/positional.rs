@@ -886,8 +886,8 @@ impl PositionalIndex {
     /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
     /// being in cache by now, the index entry (for a hidden block, its hidden-set slot) and the
-    /// parent's record (for an orphan, its wait slot) and, for a block with children, what
-    /// orphaning them reads, D ahead, then the entry's spilled members `STAGE` ahead.
+    /// parent's record (for an orphan, its wait slot) D ahead, then the entry's spilled members
+    /// `STAGE` ahead.
     /// Returns the reverse-map slot of the block D ahead, a hint for its own removal.
     #[inline]
     fn prefetch_removal(
