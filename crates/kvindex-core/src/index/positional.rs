@@ -511,8 +511,8 @@ thread_local! {
     /// Writes' scratch: the prefix hashes of the chain being stored. Kept per apply thread,
     /// not per worker, where a thousand workers would each keep their longest chain's worth.
     static CHAIN: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
-    /// Writes' scratch: the blocks a subtree walk visits (per thread, as `CHAIN`).
-    static QUEUE: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the blocks left to visit in a subtree walk (per thread, as `CHAIN`).
+    static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
     static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a removal left orphans at, whose orphans it hides once all
@@ -666,7 +666,7 @@ impl PositionalIndex {
         let (pos, prefix) = place;
         let key = place_key(place);
         let mut clean = true;
-        let mut orphans = QUEUE.take();
+        let mut orphans = STACK.take();
         orphans.clear();
         orphans.push(first);
         if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.remove(&key) } {
@@ -680,14 +680,14 @@ impl PositionalIndex {
         if !hidden || !self.same_window(pos) {
             clean &= self.walk(cur, w, &mut orphans, true, MAX_WALK);
         }
-        QUEUE.set(orphans);
+        STACK.set(orphans);
         clean
     }
 
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
     /// and its parent's children; its children become orphans, their place pushed on
-    /// `vacated` for the caller to hide (see [`Self::hide`]). `parent_near` is a hint of the parent's
-    /// reverse-map slot (see `get_mut_near`).
+    /// `vacated` for the caller to hide (see [`Self::hide`]). `parent_near` is a hint of the
+    /// parent's reverse-map slot (see `get_mut_near`).
     #[inline(always)]
     fn remove_rec(
         &self,
@@ -775,44 +775,38 @@ impl PositionalIndex {
             vacated.clear();
             return;
         }
-        let mut queue = QUEUE.take();
-        queue.clear();
+        let mut orphans = STACK.take();
+        orphans.clear();
         for &key in vacated.iter() {
             if let Some(&first) = w.waiting.get(key) {
-                queue.push(first);
+                orphans.push(first);
                 if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.get(&key) } {
-                    queue.extend_from_slice(more);
+                    orphans.extend_from_slice(more);
                 }
             }
         }
         vacated.clear();
-        let clean = self.walk(cur, w, &mut queue, false, MAX_WALK.saturating_mul(removed));
-        QUEUE.set(queue);
+        let clean = self.walk(cur, w, &mut orphans, false, MAX_WALK.saturating_mul(removed));
+        STACK.set(orphans);
         if !clean {
             self.tangle(cur, w);
         }
     }
 
-    /// Hides (`show` false) or shows the blocks in `queue` (emptied) and their descendants in
+    /// Hides (`show` false) or shows the blocks in `stack` (emptied) and their descendants in
     /// the same jump window; false if a place turned out to be held twice, or the walk passed
-    /// `limit` blocks. Breadth first, so that the records of the many subtrees a removal
-    /// orphans are fetched `PREFETCH` blocks ahead, not each after its parent's. The hidden
-    /// set and the index entries are updated after the walk, their fetches started during it,
-    /// so that they overlap one another rather than each wait for the one before.
-    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, queue: &mut Vec<u64>, show: bool, limit: usize) -> bool {
+    /// `limit` blocks. The hidden set and the index entries are updated after the walk, their
+    /// fetches started during it, so that they overlap one another rather than each wait for
+    /// the one before.
+    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: &mut Vec<u64>, show: bool, limit: usize) -> bool {
         let mut clean = true;
+        let mut walked = 0;
         let mut places = PLACES.take();
         places.clear();
-        for &h in queue.iter().take(PREFETCH) {
-            w.blocks.prefetch(h);
-        }
-        let mut next = 0;
-        while let Some(&h) = queue.get(next) {
-            if let Some(&ahead) = queue.get(next + PREFETCH) {
-                w.blocks.prefetch(ahead);
-            }
-            next += 1;
-            if next > limit {
+        while let Some(h) = stack.pop() {
+            walked += 1;
+            if walked > limit {
+                stack.clear();
                 clean = false;
                 break;
             }
@@ -837,10 +831,9 @@ impl PositionalIndex {
             w.hidden.prefetch(place_key(rec.place()));
             places.push(rec.place());
             if deeper {
-                w.children_into(h, &rec, queue);
+                w.children_into(h, &rec, stack);
             }
         }
-        queue.clear();
         for &(pos, prefix) in &places {
             let key = place_key((pos, prefix));
             if show {
