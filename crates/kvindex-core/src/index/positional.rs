@@ -240,9 +240,9 @@ fn place_key((pos, prefix): (u32, u64)) -> u64 {
     prefix ^ (u64::from(pos) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
 }
 
-/// The hole bookkeeping's tables (hidden places, waiting orphans): they swing by large
-/// factors as holes open and close, so they are given back only when empty (or cleared),
-/// never shrunk step by step; each entry is a held block, which bounds them.
+/// The wait table of orphans: it swings by large factors as holes open and close, so it is
+/// given back only when empty (or cleared), never shrunk step by step; each entry is a held
+/// block, which bounds it.
 type HoleMap<V> = LinearMap<V, false>;
 
 /// Engine hashes of a parent's children past the first, or of the orphans past the first
@@ -264,11 +264,6 @@ pub struct PositionalWriter {
     /// The orphans past the first waiting at one place (the children of a removed branch
     /// point), by the same key.
     more_waiting: SeededMap<u64, Siblings>,
-    /// Places of its hidden blocks, by [`place_key`]: a second engine hash at one of them is
-    /// an alias, seen as it is hidden (hidden copies can hang under different hidden parents,
-    /// so no sibling scan finds them all). One probe per hide or show, where a set of pairs
-    /// took two (control bytes, then the bucket).
-    hidden: HoleMap<()>,
     /// Set when one place is held under two engine hashes at once (an alias), which the
     /// links cannot follow: nothing is hidden and lookups check the worker position by
     /// position, until it is cleared.
@@ -412,6 +407,27 @@ impl PositionalWriter {
             return idx < SIB_MASK as usize;
         }
         true
+    }
+
+    /// Whether a sibling of the hidden block being stored at `place` (its record `rec`, linked
+    /// but not yet in the reverse map) is held there too: its parent's children, or the
+    /// orphans waiting at its parent's place. Only such a store can make the first alias out
+    /// of the index's sight: siblings share their visibility, a visible second copy meets the
+    /// first in its entry, and walks and removals move whole groups. A group too big to scan
+    /// counts as held (the caller tangles the worker). Out of line: hidden stores are rare.
+    #[inline(never)]
+    fn sibling_at(&self, rec: &Rec, place: (u32, u64)) -> bool {
+        let (first, more) = if rec.meta & ORPHAN != 0 {
+            let key = rec.wait_key();
+            (self.waiting.get(key).copied(), self.more_waiting.get(&key))
+        } else {
+            match self.blocks.get(rec.parent) {
+                Some(p) if p.meta & HAS_CHILD != 0 => (Some(p.first_child), self.more_children.get(&rec.parent)),
+                _ => (None, None),
+            }
+        };
+        let more = more.map_or(&[][..], |m| m.as_slice());
+        more.len() >= MAX_WALK || first.iter().chain(more).any(|&h| self.blocks.get(h).is_some_and(|r| r.place() == place))
     }
 
     /// Clears `HAS_MORE` on `parent` (its extra children are gone).
@@ -632,7 +648,7 @@ impl PositionalIndex {
         if hidden {
             rec.meta |= HIDDEN;
             cur.hidden += 1;
-            clean &= w.hidden.insert(place_key(place), ()).is_none();
+            clean &= !w.sibling_at(&rec, place);
         }
         let slot = w.blocks.put(spot, hash, rec);
         if !hidden && !self.index_add(cur, pos, prefix, w.slot) {
@@ -712,7 +728,6 @@ impl PositionalIndex {
             return;
         }
         if rec.hidden() {
-            w.hidden.remove(place_key(rec.place()));
             cur.hidden -= 1;
         } else {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
@@ -768,8 +783,7 @@ impl PositionalIndex {
     /// same jump window. Done once the write's removals are over, so that no walk hides what
     /// the same event removes next; the orphans it removed have left the small wait table, so
     /// they cost no probe of the reverse map. The walk may visit `MAX_WALK` blocks per block
-    /// the write removed; past that, or if a place turned out to be held twice, the worker is
-    /// tangled.
+    /// the write removed; past that, the worker is tangled.
     fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, vacated: &mut Vec<u64>, removed: usize) {
         if w.tangled || vacated.is_empty() {
             vacated.clear();
@@ -794,10 +808,10 @@ impl PositionalIndex {
     }
 
     /// Hides (`show` false) or shows the blocks in `stack` (emptied) and their descendants in
-    /// the same jump window; false if a place turned out to be held twice, or the walk passed
-    /// `limit` blocks. The hidden set and the index entries are updated after the walk, their
-    /// fetches started during it, so that they overlap one another rather than each wait for
-    /// the one before.
+    /// the same jump window; false if a shown place turned out to be held twice, or the walk
+    /// passed `limit` blocks. The index entries are updated after the walk, their fetches
+    /// started during it, so that they overlap one another rather than each wait for the one
+    /// before.
     fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: &mut Vec<u64>, show: bool, limit: usize) -> bool {
         let mut clean = true;
         let mut walked = 0;
@@ -828,23 +842,19 @@ impl PositionalIndex {
                 w.prefetch_first_child(&rec);
             }
             self.prefetch_entry(rec.pos, rec.prefix);
-            w.hidden.prefetch(place_key(rec.place()));
             places.push(rec.place());
             if deeper {
                 w.children_into(h, &rec, stack);
             }
         }
         for &(pos, prefix) in &places {
-            let key = place_key((pos, prefix));
             if show {
-                w.hidden.remove(key);
                 cur.hidden -= 1;
                 if !self.index_add(cur, pos, prefix, w.slot) {
                     *w.aliases.entry((pos, prefix)).or_default() += 1;
                     clean = false;
                 }
             } else {
-                clean &= w.hidden.insert(key, ()).is_none();
                 cur.hidden += 1;
                 self.index_remove(cur, pos, prefix, w.slot);
             }
@@ -858,19 +868,16 @@ impl PositionalIndex {
     /// from now on, until it is cleared.
     fn tangle(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter) {
         w.tangled = true;
-        if !w.hidden.is_empty() {
-            let hidden: Vec<u64> = w.blocks.iter().filter(|(_, r)| r.hidden()).map(|(h, _)| h).collect();
-            for h in hidden {
-                let Some(r) = w.blocks.get_mut(h) else { continue };
-                r.meta &= !HIDDEN;
-                let rec = *r;
-                cur.hidden -= 1;
-                if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
-                    *w.aliases.entry(rec.place()).or_default() += 1;
-                }
+        let hidden: Vec<u64> = w.blocks.iter().filter(|(_, r)| r.hidden()).map(|(h, _)| h).collect();
+        for h in hidden {
+            let Some(r) = w.blocks.get_mut(h) else { continue };
+            r.meta &= !HIDDEN;
+            let rec = *r;
+            cur.hidden -= 1;
+            if !self.index_add(cur, rec.pos, rec.prefix, w.slot) {
+                *w.aliases.entry(rec.place()).or_default() += 1;
             }
         }
-        w.hidden = LinearMap::default();
         w.waiting = LinearMap::default();
         w.more_waiting = SeededMap::default();
         w.more_children = SeededMap::default();
@@ -898,9 +905,7 @@ impl PositionalIndex {
         }
         let ahead = key(n + PREFETCH).and_then(|h| w.blocks.get_at(h));
         if let Some((rec, _)) = ahead {
-            if rec.hidden() {
-                w.hidden.prefetch(place_key(rec.place()));
-            } else {
+            if !rec.hidden() {
                 self.prefetch_entry(rec.pos, rec.prefix);
             }
             if rec.meta & ORPHAN != 0 {
@@ -1010,7 +1015,6 @@ impl KvIndex for PositionalIndex {
             more_children: SeededMap::default(),
             waiting: LinearMap::default(),
             more_waiting: SeededMap::default(),
-            hidden: LinearMap::default(),
             tangled: false,
             aliases: SeededMap::default(),
             beyond: Beyond::default(),
@@ -1172,7 +1176,6 @@ impl KvIndex for PositionalIndex {
         w.more_children = SeededMap::default();
         w.waiting = LinearMap::default();
         w.more_waiting = SeededMap::default();
-        w.hidden = LinearMap::default();
         w.aliases = SeededMap::default();
         w.beyond.clear();
         w.tangled = false;
