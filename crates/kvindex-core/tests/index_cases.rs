@@ -291,6 +291,35 @@ fn hidden_copies_under_hidden_copies_stay_exact<I: KvIndex>(index: I) {
     assert_eq!(depths(&index, &[0, 0, 0, 1], &MatchOptions::default()), vec![(0, 0, 4)]);
 }
 
+// Hundreds of holes opened, some of their orphans removed, more opened, then every hole filled:
+// each store finds the orphans waiting for its place however many came and went before (the
+// positional index keeps a filter of the waiting places, rebuilt as they go stale).
+for_each_backend!(many_holes_filled_after_many_came_and_went);
+fn many_holes_filled_after_many_came_and_went<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(3, 0)).unwrap();
+    let all = MatchOptions::default();
+    let three = |i: u64| [1_000 + i, 5_000 + i, 9_000 + i];
+    for i in 0..600 {
+        index.store(&mut w, None, &chain(three(i), three(i)));
+        index.remove(&mut w, &[BlockHash(1_000 + i)]);
+    }
+    for i in 0..500 {
+        index.remove(&mut w, &[BlockHash(9_000 + i), BlockHash(5_000 + i)]);
+    }
+    for i in 600..800 {
+        index.store(&mut w, None, &chain(three(i), three(i)));
+        index.remove(&mut w, &[BlockHash(1_000 + i)]);
+    }
+    for i in 0..800 {
+        assert_eq!(depths(&index, &three(i), &all), vec![], "hole {i} open");
+        index.store(&mut w, None, &chain([1_000 + i], [1_000 + i]));
+    }
+    for i in 0..800 {
+        let held = if i < 500 { 1 } else { 3 };
+        assert_eq!(depths(&index, &three(i), &all), vec![(3, 0, held)], "hole {i} filled");
+    }
+}
+
 // Orphans of one removed branch point wait at one place; removing them in any order keeps
 // the positional index's hole bookkeeping exact without giving up on the worker: the other
 // hole stays hidden (a worker it gives up on shows every hidden block: `hidden` drops to 0).

@@ -264,6 +264,9 @@ pub struct PositionalWriter {
     /// The orphans past the first waiting at one place (the children of a removed branch
     /// point), by the same key.
     more_waiting: SeededMap<u64, Siblings>,
+    /// Which places may have orphans waiting: a store asks it before it probes `waiting`,
+    /// whose slots are seldom in cache.
+    wait_filter: WaitFilter,
     /// Set when one place is held under two engine hashes at once (an alias), which the
     /// links cannot follow: nothing is hidden and lookups check the worker position by
     /// position, until it is cleared.
@@ -272,6 +275,55 @@ pub struct PositionalWriter {
     aliases: SeededMap<(u32, u64), u32>,
     /// Its blocks past `max_depth` (see [`Beyond`]).
     beyond: Beyond,
+}
+
+/// The keys of a worker's wait table as 2,048 bits (256 bytes, so that a chain's checks stay in
+/// a few cache lines), each set by the keys that hash to it. A bit is cleared only when the
+/// filter is rebuilt from the table, which happens once the keys added since the last rebuild
+/// pass twice those left, so stale bits cost at most a few probes per key.
+struct WaitFilter {
+    bits: [u64; 32],
+    /// Keys added since the last rebuild.
+    added: usize,
+}
+
+impl Default for WaitFilter {
+    fn default() -> Self {
+        WaitFilter { bits: [0; 32], added: 0 }
+    }
+}
+
+impl WaitFilter {
+    /// Word and bit of `key`, from the top bits of a multiply: prefix hashes are polynomial,
+    /// not mixed (a root's is its local hash), so their own bits can be anything but even.
+    #[inline]
+    fn bit(key: u64) -> (usize, u64) {
+        let mixed = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        ((mixed >> 59) as usize, 1 << ((mixed >> 53) & 63))
+    }
+
+    #[inline]
+    fn may_hold(&self, key: u64) -> bool {
+        let (word, bit) = Self::bit(key);
+        self.bits[word] & bit != 0
+    }
+
+    /// Adds `key`, a key new to `table`, rebuilding from `table` when stale bits pile up.
+    fn add(&mut self, key: u64, table: &HoleMap<u64>) {
+        if table.len() == 1 {
+            *self = WaitFilter::default();
+        }
+        let (word, bit) = Self::bit(key);
+        self.bits[word] |= bit;
+        self.added += 1;
+        if self.added > 2 * table.len() + 64 {
+            *self = WaitFilter::default();
+            for (k, _) in table.iter() {
+                let (word, bit) = Self::bit(k);
+                self.bits[word] |= bit;
+            }
+        }
+    }
 }
 
 /// Entries an empty hole-bookkeeping table may keep room for (see `PositionalWriter::trim`).
@@ -311,6 +363,7 @@ impl PositionalWriter {
     /// Puts `hash` in the wait list of the place `key`; its index there (see `SIB_MASK`).
     fn wait(&mut self, key: u64, hash: u64) -> usize {
         if self.waiting.upsert(key, hash).1 {
+            self.wait_filter.add(key, &self.waiting);
             return 1;
         }
         let v = self.more_waiting.entry(key).or_default();
@@ -655,7 +708,7 @@ impl PositionalIndex {
             *w.aliases.entry(place).or_default() += 1;
             clean = false;
         }
-        if !w.waiting.is_empty() {
+        if !w.waiting.is_empty() && w.wait_filter.may_hold(place_key(place)) {
             if let Some(first) = w.waiting.remove(place_key(place)) {
                 clean &= self.adopt(cur, w, hash, place, first, hidden);
             }
@@ -1015,6 +1068,7 @@ impl KvIndex for PositionalIndex {
             more_children: SeededMap::default(),
             waiting: LinearMap::default(),
             more_waiting: SeededMap::default(),
+            wait_filter: WaitFilter::default(),
             tangled: false,
             aliases: SeededMap::default(),
             beyond: Beyond::default(),
