@@ -291,6 +291,29 @@ fn hidden_copies_under_hidden_copies_stay_exact<I: KvIndex>(index: I) {
     assert_eq!(depths(&index, &[0, 0, 0, 1], &MatchOptions::default()), vec![(0, 0, 4)]);
 }
 
+// One event frees a branch point and then some of what hung under it, parents first: what it
+// names leaves, what it does not stays reachable once the holes above it are filled again.
+for_each_backend!(children_freed_after_their_parent_in_one_event);
+fn children_freed_after_their_parent_in_one_event<I: KvIndex>(index: I) {
+    let mut w = index.writer(WorkerId::new(4, 0)).unwrap();
+    let all = MatchOptions::default();
+    index.store(&mut w, None, &chain([1, 2, 3, 4, 5], [1, 2, 3, 4, 5]));
+    index.store(&mut w, Some(BlockHash(2)), &chain([6, 7], [6, 7]));
+    index.store(&mut w, Some(BlockHash(2)), &chain([8], [8]));
+    index.remove(&mut w, &[BlockHash(2), BlockHash(3), BlockHash(7), BlockHash(8)]);
+    assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &all), vec![(4, 0, 1)]);
+    assert_eq!(depths(&index, &[1, 2, 6], &all), vec![(4, 0, 1)]);
+    index.store(&mut w, Some(BlockHash(1)), &chain([2], [2]));
+    assert_eq!(depths(&index, &[1, 2, 6, 7], &all), vec![(4, 0, 3)]);
+    assert_eq!(depths(&index, &[1, 2, 8], &all), vec![(4, 0, 2)]);
+    assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &all), vec![(4, 0, 2)]);
+    index.store(&mut w, Some(BlockHash(2)), &chain([3], [3]));
+    assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &all), vec![(4, 0, 5)]);
+    index.remove(&mut w, &[BlockHash(1), BlockHash(2), BlockHash(3), BlockHash(4), BlockHash(5), BlockHash(6)]);
+    assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &all), vec![]);
+    assert_eq!(index.stats().placements, 0);
+}
+
 // Hundreds of holes opened, some of their orphans removed, more opened, then every hole filled:
 // each store finds the orphans waiting for its place however many came and went before (the
 // positional index keeps a filter of the waiting places, rebuilt as they go stale).

@@ -584,9 +584,10 @@ thread_local! {
     static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
     static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
-    /// Writes' scratch: the places a removal left orphans at, whose orphans it hides once all
-    /// its blocks are gone (per thread, as `CHAIN`).
-    static VACATED: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the children of the blocks a removal took out, with the place each
+    /// would wait for; those still held once all its blocks are gone become orphans and are
+    /// hidden (per thread, as `CHAIN`).
+    static LEFT: Cell<Vec<(u64, (u32, u64))>> = const { Cell::new(Vec::new()) };
 }
 
 impl Default for PositionalIndex {
@@ -754,9 +755,9 @@ impl PositionalIndex {
     }
 
     /// Block `hash` (its record `rec`, already taken out of the reverse map) leaves the index
-    /// and its parent's children; its children become orphans, their place pushed on
-    /// `vacated` for the caller to hide (see [`Self::hide`]). `parent_near` is a hint of the
-    /// parent's reverse-map slot (see `get_mut_near`).
+    /// and its parent's children; its children are pushed on `left` for the caller to make
+    /// orphans of (see [`Self::hide`]). `parent_near` is a hint of the parent's reverse-map
+    /// slot (see `get_mut_near`).
     #[inline(always)]
     fn remove_rec(
         &self,
@@ -765,7 +766,7 @@ impl PositionalIndex {
         hash: u64,
         rec: Rec,
         parent_near: usize,
-        vacated: &mut Vec<u64>,
+        left: &mut Vec<(u64, (u32, u64))>,
     ) {
         if w.tangled {
             let key = rec.place();
@@ -787,29 +788,33 @@ impl PositionalIndex {
         }
         w.unlink(&rec, parent_near);
         if rec.meta & HAS_CHILD != 0 {
-            self.orphan_children(cur, w, hash, &rec, vacated);
+            self.leave_children(cur, w, hash, &rec, left);
         }
     }
 
-    /// The children of the removed block `hash` (its record `rec`) become orphans waiting at
-    /// its place, whose key is pushed on `vacated` for [`Self::hide`]. Out of line: a removal
+    /// The children of the removed block `hash` (its record `rec`) are pushed on `left`, with
+    /// its place, for [`Self::hide`]: most leave in the same event (an engine freeing a
+    /// sequence from a hole on), so they are not made orphans before it is done. Until then
+    /// each keeps naming its gone parent, which unlinking it allows for. Out of line: a removal
     /// in the usual order (tail first) finds no children.
     #[inline(never)]
-    fn orphan_children(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, rec: &Rec, vacated: &mut Vec<u64>) {
+    fn leave_children(
+        &self,
+        cur: &mut WriteCursor<'_>,
+        w: &mut PositionalWriter,
+        hash: u64,
+        rec: &Rec,
+        left: &mut Vec<(u64, (u32, u64))>,
+    ) {
         let more = if rec.meta & HAS_MORE != 0 { w.more_children.remove(&hash) } else { None };
-        let mut fits = more.as_ref().map_or(0, |m| m.len()) < MAX_WALK;
-        if fits {
-            fits &= w.orphan(rec.first_child, rec.place());
-            for &k in more.iter().flatten() {
-                fits &= w.orphan(k, rec.place());
-            }
-        }
-        if fits {
-            vacated.push(place_key(rec.place()));
-        } else {
-            vacated.clear();
+        let more = more.as_deref().unwrap_or(&[]);
+        if more.len() >= MAX_WALK {
+            left.clear();
             self.tangle(cur, w);
+            return;
         }
+        left.push((rec.first_child, rec.place()));
+        left.extend(more.iter().map(|&k| (k, rec.place())));
     }
 
     /// Takes out the block `hash` (its record `old`) that a store names again at another place,
@@ -817,11 +822,11 @@ impl PositionalIndex {
     #[inline(never)]
     fn drop_replaced(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, hash: u64, old: Rec) {
         w.blocks.remove(hash);
-        let mut vacated = VACATED.take();
-        vacated.clear();
-        self.remove_rec(cur, w, hash, old, NO_SLOT, &mut vacated);
-        self.hide(cur, w, &mut vacated, 1);
-        VACATED.set(vacated);
+        let mut left = LEFT.take();
+        left.clear();
+        self.remove_rec(cur, w, hash, old, NO_SLOT, &mut left);
+        self.hide(cur, w, &mut left, 1);
+        LEFT.set(left);
     }
 
     /// Whether positions `pos` and `pos + 1` lie in one jump window: `(k * jump, (k + 1) * jump]`,
@@ -831,29 +836,31 @@ impl PositionalIndex {
         pos as usize % self.cfg.jump != 0
     }
 
-    /// Hides the orphans still waiting at the places a write vacated (`vacated`, emptied: the
-    /// [`place_key`]s that [`Self::orphan_children`] pushed) with their descendants in the
-    /// same jump window. Done once the write's removals are over, so that no walk hides what
-    /// the same event removes next; the orphans it removed have left the small wait table, so
-    /// they cost no probe of the reverse map. The walk may visit `MAX_WALK` blocks per block
-    /// the write removed; past that, the worker is tangled.
-    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, vacated: &mut Vec<u64>, removed: usize) {
-        if w.tangled || vacated.is_empty() {
-            vacated.clear();
+    /// Makes orphans of the children a write's removals left (`left`, emptied: see
+    /// [`Self::leave_children`]) that are still held, and hides them with their descendants in
+    /// the same jump window. Done once the write's removals are over, so that no walk hides,
+    /// and no wait list holds, what the same event removes next. The walk may visit `MAX_WALK`
+    /// blocks per block the write removed; past that, or if the wait lists overflow, the worker
+    /// is tangled.
+    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, left: &mut Vec<(u64, (u32, u64))>, removed: usize) {
+        if w.tangled || left.is_empty() {
+            left.clear();
             return;
+        }
+        for &(child, _) in left.iter() {
+            w.blocks.prefetch(child);
         }
         let mut orphans = STACK.take();
         orphans.clear();
-        for &key in vacated.iter() {
-            if let Some(&first) = w.waiting.get(key) {
-                orphans.push(first);
-                if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.get(&key) } {
-                    orphans.extend_from_slice(more);
-                }
+        let mut clean = true;
+        for &(child, waits_for) in left.iter() {
+            if w.blocks.get(child).is_some() {
+                clean &= w.orphan(child, waits_for);
+                orphans.push(child);
             }
         }
-        vacated.clear();
-        let clean = self.walk(cur, w, &mut orphans, false, MAX_WALK.saturating_mul(removed));
+        left.clear();
+        clean &= self.walk(cur, w, &mut orphans, false, MAX_WALK.saturating_mul(removed));
         STACK.set(orphans);
         if !clean {
             self.tangle(cur, w);
@@ -938,8 +945,8 @@ impl PositionalIndex {
 
     /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
-    /// being in cache by now, the index entry (for a hidden block, its hidden-set slot) and the
-    /// parent's record (for an orphan, its wait slot) D ahead, then the entry's spilled members
+    /// being in cache by now, the index entry (none for a hidden block) and the parent's
+    /// record (for an orphan, its wait slot) D ahead, then the entry's spilled members
     /// `STAGE` ahead.
     /// Returns the reverse-map slot of the block D ahead, a hint for its own removal.
     #[inline]
@@ -1174,10 +1181,11 @@ impl KvIndex for PositionalIndex {
         let mut out = ApplyOutcome::default();
         let was_holey = w.holey();
         let mut cur = WriteCursor::new(self);
-        // Places whose orphans are hidden at the end: by then the event's removals of their
-        // own descendants are done, in whatever order it named them.
-        let mut vacated = VACATED.take();
-        vacated.clear();
+        // Children of removed blocks, made orphans and hidden at the end if still held: by
+        // then the event's removals of them and their descendants are done, in whatever
+        // order it named them.
+        let mut left = LEFT.take();
+        left.clear();
         // Reverse-map slots of the blocks ahead, as the prefetch saw them (hints: a removal
         // may have moved them since).
         let mut near = [NO_SLOT; RING];
@@ -1198,15 +1206,15 @@ impl KvIndex for PositionalIndex {
                         Some(next) if next.0 == rec.parent => near[(n + 1) % RING],
                         _ => NO_SLOT,
                     };
-                    self.remove_rec(&mut cur, w, h.0, rec, parent_near, &mut vacated);
+                    self.remove_rec(&mut cur, w, h.0, rec, parent_near, &mut left);
                     out.removed += 1;
                 }
                 None if was_beyond => {}
                 None => out.unknown_removes += 1,
             }
         }
-        self.hide(&mut cur, w, &mut vacated, hashes.len());
-        VACATED.set(vacated);
+        self.hide(&mut cur, w, &mut left, hashes.len());
+        LEFT.set(left);
         w.trim();
         self.placements.fetch_sub(out.removed as i64, Ordering::Relaxed);
         self.note_holey(w, was_holey);
