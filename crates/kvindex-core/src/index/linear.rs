@@ -23,8 +23,9 @@ struct Slot<V> {
     val: V,
 }
 
-/// Map from u64 keys to small `Copy` values. With `SHRINK` false the table is only given
-/// back when it empties: for tables that grow and shrink by large factors all the time.
+/// Map from u64 keys to small `Copy` values. With `SHRINK` false the table keeps its room,
+/// even when empty, until its owner drops it: for tables that grow and shrink by large
+/// factors all the time, whose owner knows how much room is worth keeping.
 pub(crate) struct LinearMap<V: Copy + Default, const SHRINK: bool = true> {
     slots: Vec<Slot<V>>,
     /// Keys in `slots` (not counting `zero`).
@@ -329,7 +330,7 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
         }
         slots[hole].key = EMPTY;
         self.used -= 1;
-        if self.used == 0 {
+        if SHRINK && self.used == 0 {
             self.slots = Vec::new();
         } else if SHRINK && self.slots.len() > SHRINK_ABOVE && self.used * 16 < self.slots.len() * 3 {
             self.resize((self.used * 2).max(SHRINK_ABOVE));
@@ -377,6 +378,11 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
 
     pub fn iter(&self) -> impl Iterator<Item = (u64, &V)> + '_ {
         self.zero.iter().map(|v| (EMPTY, v)).chain(self.slots.iter().filter(|s| s.key != EMPTY).map(|s| (s.key, &s.val)))
+    }
+
+    /// Slots allocated.
+    pub fn capacity(&self) -> usize {
+        self.slots.len()
     }
 
     /// Heap bytes held.
@@ -533,7 +539,7 @@ mod tests {
     }
 
     #[test]
-    fn a_table_that_does_not_shrink_keeps_its_room_until_empty() {
+    fn a_table_that_does_not_shrink_keeps_its_room_even_when_empty() {
         let mut shrinks: LinearMap<u64> = LinearMap::default();
         let mut keeps: LinearMap<u64, false> = LinearMap::default();
         for i in 1..=4096u64 {
@@ -549,6 +555,8 @@ mod tests {
         assert_eq!(keeps.heap_bytes(), full);
         assert_eq!(keeps.get(1), Some(&1));
         keeps.remove(1);
-        assert_eq!(keeps.heap_bytes(), 0);
+        assert_eq!(keeps.heap_bytes(), full);
+        shrinks.remove(1);
+        assert_eq!(shrinks.heap_bytes(), 0);
     }
 }

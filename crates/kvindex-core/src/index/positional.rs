@@ -241,8 +241,8 @@ fn place_key((pos, prefix): (u32, u64)) -> u64 {
 }
 
 /// The wait table of orphans: it swings by large factors as holes open and close, so it is
-/// given back only when empty (or cleared), never shrunk step by step; each entry is a held
-/// block, which bounds it.
+/// never shrunk step by step, and given back only when empty and bigger than is worth keeping
+/// (see `PositionalWriter::trim`); each entry is a held block, which bounds it.
 type HoleMap<V> = LinearMap<V, false>;
 
 /// Engine hashes of a parent's children past the first, or of the orphans past the first
@@ -343,9 +343,13 @@ impl PositionalWriter {
     }
 
     /// Gives back the hole bookkeeping's tables once they are empty, so that a worker keeps
-    /// what it holds, not room for the most holes it ever had (small ones stay, so a worker
-    /// whose one hole opens and closes does not allocate each time).
+    /// what it holds, not room for the most holes it ever had. Small ones stay, so that a
+    /// worker whose holes come and go does not allocate and regrow its tables each time: the
+    /// wait table up to one slot per 16 blocks held (1.5% of the reverse map's room).
     fn trim(&mut self) {
+        if self.waiting.is_empty() && self.waiting.capacity() > (self.blocks.len() / 16).max(TRIM_ABOVE) {
+            self.waiting = HoleMap::default();
+        }
         if self.more_waiting.is_empty() && self.more_waiting.capacity() > TRIM_ABOVE {
             self.more_waiting = SeededMap::default();
         }
