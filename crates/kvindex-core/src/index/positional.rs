@@ -281,16 +281,12 @@ pub struct PositionalWriter {
 /// a few cache lines), each set by the keys that hash to it. A bit is cleared only when the
 /// filter is rebuilt from the table, which happens once the keys added since the last rebuild
 /// pass twice those left, so stale bits cost at most a few probes per key.
+#[derive(Default)]
 struct WaitFilter {
+    /// The 2,048 bits, set by [`Self::bit`] of each key.
     bits: [u64; 32],
     /// Keys added since the last rebuild.
     added: usize,
-}
-
-impl Default for WaitFilter {
-    fn default() -> Self {
-        WaitFilter { bits: [0; 32], added: 0 }
-    }
 }
 
 impl WaitFilter {
