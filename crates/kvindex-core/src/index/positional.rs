@@ -371,16 +371,17 @@ impl PositionalWriter {
         v.len() + 1
     }
 
-    /// The held block `hash` becomes an orphan waiting for its parent's place `waits_for`
-    /// (position, prefix); false if its index no longer fits (only a worker with hundreds of
-    /// millions of blocks gets there).
-    fn orphan(&mut self, hash: u64, waits_for: (u32, u64)) -> bool {
+    /// The block `hash`, if still held, becomes an orphan waiting for its parent's place
+    /// `waits_for` (position, prefix): `None` if it is not held, else false if its index no
+    /// longer fits (only a worker with hundreds of millions of blocks gets there).
+    fn orphan(&mut self, hash: u64, waits_for: (u32, u64)) -> Option<bool> {
+        let (_, slot) = self.blocks.get_at(hash)?;
         let idx = self.wait(place_key(waits_for), hash);
-        if let Some(r) = self.blocks.get_mut(hash) {
+        if let Some(r) = self.blocks.get_mut_near(hash, slot) {
             r.meta = (r.meta & !SIB_MASK) | ORPHAN | (idx as u32 & SIB_MASK);
             r.parent = waits_for.1;
         }
-        idx < SIB_MASK as usize
+        Some(idx < SIB_MASK as usize)
     }
 
     /// Takes the orphan with index `idx` out of the wait list of the place `key`.
@@ -491,7 +492,8 @@ impl PositionalWriter {
     }
 
     /// Takes the removed block `rec` out of its parent's children, or out of its wait list;
-    /// `parent_near` hints where the parent's record is.
+    /// `parent_near` hints where the parent's record is. A child that a removal in progress
+    /// left (see `PositionalIndex::leave_children`) names a parent already gone: nothing to do.
     fn unlink(&mut self, rec: &Rec, parent_near: usize) {
         let idx = rec.meta & SIB_MASK;
         if rec.meta & ORPHAN != 0 {
@@ -709,8 +711,9 @@ impl PositionalIndex {
             *w.aliases.entry(place).or_default() += 1;
             clean = false;
         }
-        if !w.waiting.is_empty() && w.wait_filter.may_hold(place_key(place)) {
-            if let Some(first) = w.waiting.remove(place_key(place)) {
+        let key = place_key(place);
+        if !w.waiting.is_empty() && w.wait_filter.may_hold(key) {
+            if let Some(first) = w.waiting.remove(key) {
                 clean &= self.adopt(cur, w, hash, place, first, hidden);
             }
         }
@@ -854,8 +857,8 @@ impl PositionalIndex {
         orphans.clear();
         let mut clean = true;
         for &(child, waits_for) in left.iter() {
-            if w.blocks.get(child).is_some() {
-                clean &= w.orphan(child, waits_for);
+            if let Some(fits) = w.orphan(child, waits_for) {
+                clean &= fits;
                 orphans.push(child);
             }
         }
