@@ -372,16 +372,18 @@ impl PositionalWriter {
     }
 
     /// The block `hash`, if still held, becomes an orphan waiting for its parent's place
-    /// `waits_for` (position, prefix): `None` if it is not held, else false if its index no
-    /// longer fits (only a worker with hundreds of millions of blocks gets there).
-    fn orphan(&mut self, hash: u64, waits_for: (u32, u64)) -> Option<bool> {
+    /// `waits_for` (position, prefix), hidden: `None` if it is not held, else whether its index
+    /// still fits (only a worker with hundreds of millions of blocks gets past it) and its
+    /// record, or none if it was hidden already (so is all it holds in its window).
+    fn orphan(&mut self, hash: u64, waits_for: (u32, u64)) -> Option<(bool, Option<Rec>)> {
         let (_, slot) = self.blocks.get_at(hash)?;
         let idx = self.wait(place_key(waits_for), hash);
-        if let Some(r) = self.blocks.get_mut_near(hash, slot) {
-            r.meta = (r.meta & !SIB_MASK) | ORPHAN | (idx as u32 & SIB_MASK);
-            r.parent = waits_for.1;
-        }
-        Some(idx < SIB_MASK as usize)
+        let r = self.blocks.get_mut_near(hash, slot)?;
+        r.meta = (r.meta & !SIB_MASK) | ORPHAN | (idx as u32 & SIB_MASK);
+        r.parent = waits_for.1;
+        let was_hidden = r.hidden();
+        r.meta |= HIDDEN;
+        Some((idx < SIB_MASK as usize, (!was_hidden).then_some(*r)))
     }
 
     /// Takes the orphan with index `idx` out of the wait list of the place `key`.
@@ -841,7 +843,8 @@ impl PositionalIndex {
 
     /// Makes orphans of the children a write's removals left (`left`, emptied: see
     /// [`Self::leave_children`]) that are still held, and hides them with their descendants in
-    /// the same jump window. Done once the write's removals are over, so that no walk hides,
+    /// the same jump window: each orphan's own walk step is taken as it is made, its record at
+    /// hand. Done once the write's removals are over, so that no walk hides,
     /// and no wait list holds, what the same event removes next. The walk may visit `MAX_WALK`
     /// blocks per block the write removed; past that, or if the wait lists overflow, the worker
     /// is tangled.
@@ -853,20 +856,43 @@ impl PositionalIndex {
         for &(child, _) in left.iter() {
             w.blocks.prefetch(child);
         }
-        let mut orphans = STACK.take();
-        orphans.clear();
+        let mut stack = STACK.take();
+        stack.clear();
+        let mut places = PLACES.take();
+        places.clear();
         let mut clean = true;
+        let mut walked = 0;
         for &(child, waits_for) in left.iter() {
-            if let Some(fits) = w.orphan(child, waits_for) {
+            if let Some((fits, rec)) = w.orphan(child, waits_for) {
                 clean &= fits;
-                orphans.push(child);
+                walked += 1;
+                if let Some(rec) = rec {
+                    self.step(w, child, &rec, &mut places, &mut stack);
+                }
             }
         }
         left.clear();
-        clean &= self.walk(cur, w, &mut orphans, false, MAX_WALK.saturating_mul(removed));
-        STACK.set(orphans);
+        clean &= self.walk_on(cur, w, &mut stack, &mut places, false, walked, MAX_WALK.saturating_mul(removed));
+        STACK.set(stack);
+        PLACES.set(places);
         if !clean {
             self.tangle(cur, w);
+        }
+    }
+
+    /// The part of a walk step after the block `h` (its record `rec`, flag already changed)
+    /// was hidden or shown: its index entry fetched, its place noted, its children in the same
+    /// window put on `stack`.
+    #[inline(always)]
+    fn step(&self, w: &PositionalWriter, h: u64, rec: &Rec, places: &mut Vec<(u32, u64)>, stack: &mut Vec<u64>) {
+        let deeper = self.same_window(rec.pos);
+        if deeper {
+            w.prefetch_first_child(rec);
+        }
+        self.prefetch_entry(rec.pos, rec.prefix);
+        places.push(rec.place());
+        if deeper {
+            w.children_into(h, rec, stack);
         }
     }
 
@@ -876,10 +902,27 @@ impl PositionalIndex {
     /// started during it, so that they overlap one another rather than each wait for the one
     /// before.
     fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: &mut Vec<u64>, show: bool, limit: usize) -> bool {
-        let mut clean = true;
-        let mut walked = 0;
         let mut places = PLACES.take();
         places.clear();
+        let clean = self.walk_on(cur, w, stack, &mut places, show, 0, limit);
+        PLACES.set(places);
+        clean
+    }
+
+    /// [`Self::walk`] from blocks already stepped on: `places` holds theirs (emptied), `walked`
+    /// counts them.
+    #[allow(clippy::too_many_arguments)]
+    fn walk_on(
+        &self,
+        cur: &mut WriteCursor<'_>,
+        w: &mut PositionalWriter,
+        stack: &mut Vec<u64>,
+        places: &mut Vec<(u32, u64)>,
+        show: bool,
+        mut walked: usize,
+        limit: usize,
+    ) -> bool {
+        let mut clean = true;
         while let Some(h) = stack.pop() {
             walked += 1;
             if walked > limit {
@@ -900,17 +943,9 @@ impl PositionalIndex {
                 r.meta |= HIDDEN;
             }
             let rec = *r;
-            let deeper = self.same_window(rec.pos);
-            if deeper {
-                w.prefetch_first_child(&rec);
-            }
-            self.prefetch_entry(rec.pos, rec.prefix);
-            places.push(rec.place());
-            if deeper {
-                w.children_into(h, &rec, stack);
-            }
+            self.step(w, h, &rec, places, stack);
         }
-        for &(pos, prefix) in &places {
+        for &(pos, prefix) in places.iter() {
             if show {
                 cur.hidden -= 1;
                 if !self.index_add(cur, pos, prefix, w.slot) {
@@ -922,7 +957,7 @@ impl PositionalIndex {
                 self.index_remove(cur, pos, prefix, w.slot);
             }
         }
-        PLACES.set(places);
+        places.clear();
         clean
     }
 
