@@ -122,9 +122,10 @@ struct Source {
     /// Mooncake trace (JSONL) to run through the mock engine.
     #[arg(long, default_value = "data/traces/conversation_trace.jsonl", conflicts_with = "stream")]
     trace: PathBuf,
-    /// Replay stream (JSONL) to use instead of a trace.
+    /// Replay stream (JSONL) to use instead of a trace. `bench` takes it more than once to
+    /// compare streams in one run (rounds alternate them, as they do backends).
     #[arg(long)]
-    stream: Option<PathBuf>,
+    stream: Vec<PathBuf>,
     /// Mock engine: number of workers.
     #[arg(long, default_value_t = 16)]
     workers: u64,
@@ -157,15 +158,34 @@ impl Source {
         }
     }
 
+    /// The one workload: the stream, or the trace through the mock engine.
     fn load(&self) -> Result<Workload> {
-        if let Some(path) = &self.stream {
-            let f = std::fs::File::open(path).with_context(|| format!("opening stream {}", path.display()))?;
-            return Ok(Workload::new(stream::read_stream(std::io::BufReader::new(f))?, None));
+        match self.stream.as_slice() {
+            [] => {
+                let mut trace = trace::read_trace_file(&self.trace)?;
+                trace.truncate(self.requests.unwrap_or(usize::MAX));
+                Ok(Workload::from_timed(MockEngine::run(self.mock(), &trace)))
+            }
+            [path] => read_workload(path),
+            _ => bail!("only `bench` compares streams; give --stream once"),
         }
-        let mut trace = trace::read_trace_file(&self.trace)?;
-        trace.truncate(self.requests.unwrap_or(usize::MAX));
-        Ok(Workload::from_timed(MockEngine::run(self.mock(), &trace)))
     }
+
+    /// Every `--stream` with its file name (or the trace's one workload, unnamed).
+    fn load_all(&self) -> Result<Vec<(String, Workload)>> {
+        if self.stream.len() < 2 {
+            return Ok(vec![(String::new(), self.load()?)]);
+        }
+        self.stream
+            .iter()
+            .map(|p| Ok((p.file_name().unwrap_or(p.as_os_str()).to_string_lossy().into_owned(), read_workload(p)?)))
+            .collect()
+    }
+}
+
+fn read_workload(path: &std::path::Path) -> Result<Workload> {
+    let f = std::fs::File::open(path).with_context(|| format!("opening stream {}", path.display()))?;
+    Ok(Workload::new(stream::read_stream(std::io::BufReader::new(f))?, None))
 }
 
 #[derive(Args)]
@@ -503,7 +523,7 @@ async fn shutdown_signal() {
 fn bench_cmd(a: BenchArgs) -> Result<()> {
     tools::alloc::enable();
     if let Some(passes) = a.churn {
-        if a.source.stream.is_some() {
+        if !a.source.stream.is_empty() {
             bail!("--churn replays a trace through the mock engine; it does not take --stream");
         }
         let mut trace = trace::read_trace_file(&a.source.trace)?;
@@ -516,19 +536,23 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    let wl = a.source.load()?;
-    eprintln!(
-        "workload: {} ops, {} lookups; blocks: {} lookup + {} stored + {} removed = {} block ops",
-        wl.ops.len(),
-        wl.lookups,
-        wl.lookup_blocks,
-        wl.stored_blocks,
-        wl.removed_blocks,
-        wl.block_ops()
-    );
+    let wls = a.source.load_all()?;
+    for (name, wl) in &wls {
+        eprintln!(
+            "workload{}{name}: {} ops, {} lookups; blocks: {} lookup + {} stored + {} removed = {} block ops",
+            if name.is_empty() { "" } else { " " },
+            wl.ops.len(),
+            wl.lookups,
+            wl.lookup_blocks,
+            wl.stored_blocks,
+            wl.removed_blocks,
+            wl.block_ops()
+        );
+    }
     let progress = !a.no_progress && !a.json;
     if a.sweep {
-        let points = bench::sweep(&wl, &a.backends, a.jump, &a.speedups, progress)?;
+        let [(_, wl)] = wls.as_slice() else { bail!("--sweep replays one stream; give --stream once") };
+        let points = bench::sweep(wl, &a.backends, a.jump, &a.speedups, progress)?;
         if a.json {
             println!("{}", serde_json::to_string_pretty(&points)?);
         } else {
@@ -546,7 +570,8 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         progress,
         repeat: a.repeat,
     };
-    let rows = bench::run(&wl, &cfg);
+    let named: Vec<(&str, &Workload)> = wls.iter().map(|(n, w)| (n.as_str(), w)).collect();
+    let rows = bench::run(&named, &cfg);
     if a.json {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {

@@ -150,7 +150,7 @@ fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
         progress: false,
         repeat: 3,
     };
-    let rows = run(&wl, &cfg);
+    let rows = run(&[("", &wl)], &cfg);
     let got: Vec<(&str, &str)> = rows.iter().map(|r| (r.backend.as_str(), r.mode.as_str())).collect();
     let want: Vec<(&str, &str)> =
         ["positional", "radix", "reference"].iter().flat_map(|&b| [(b, "sequential"), (b, "events")]).collect();
@@ -164,8 +164,41 @@ fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
             (_, Some(x)) => assert!(0.0 < x.min && x.min <= x.median && x.median <= x.max, "{} {}: {x:?}", r.backend, r.mode),
         }
     }
-    let one = run(&wl, &BenchConfig { repeat: 1, ..cfg });
+    let one = run(&[("", &wl)], &BenchConfig { repeat: 1, ..cfg });
     assert!(one.iter().filter(|r| r.backend != "positional").all(|r| r.vs_first.is_some_and(|x| x.min == x.max)));
+}
+
+#[test]
+fn bench_compares_streams_in_one_run() {
+    use kvindex_core::index::Backend;
+    use tools::bench::{run, table, BenchConfig, Indexer, Mode};
+    let mock = |hole_rate| MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate };
+    let plain = Workload::from_timed(MockEngine::run(mock(0.0), &trace()[..300]));
+    let holes = Workload::from_timed(MockEngine::run(mock(0.5), &trace()[..300]));
+    let cfg = BenchConfig {
+        backends: [Backend::Positional, Backend::Radix].iter().map(|&b| Indexer::Kvindex(b)).collect(),
+        modes: vec![Mode::Events],
+        apply_threads: 1,
+        lookup_threads: 1,
+        jump: 64,
+        max_matches: None,
+        progress: false,
+        repeat: 2,
+    };
+    let rows = run(&[("p0.jsonl", &plain), ("p05.jsonl", &holes)], &cfg);
+    let got: Vec<(Option<&str>, &str)> = rows.iter().map(|r| (r.stream.as_deref(), r.backend.as_str())).collect();
+    let want = [("p0.jsonl", "positional"), ("p0.jsonl", "radix"), ("p05.jsonl", "positional"), ("p05.jsonl", "radix")];
+    assert_eq!(got, want.map(|(s, b)| (Some(s), b)), "one row per stream and backend, streams in the order given");
+    let blocks = |wl: &Workload| wl.stored_blocks + wl.removed_blocks;
+    assert_ne!(blocks(&plain), blocks(&holes), "the streams must differ for this test to tell them apart");
+    assert_eq!(rows[2].block_ops, blocks(&holes), "each stream is replayed, not the first twice");
+    assert_eq!(rows[0].block_ops, blocks(&plain));
+    assert!(rows[0].vs_first.is_none(), "the first backend on the first stream is the reference");
+    assert!(rows[1..].iter().all(|r| r.vs_first.is_some()), "every other row has its ratio to the first");
+    let text = table(&rows);
+    assert!(text.starts_with("stream ") && text.lines().nth(3).is_some_and(|l| l.starts_with("p05.jsonl ")), "{text}");
+    let lone = run(&[("", &plain)], &BenchConfig { backends: cfg.backends[..1].to_vec(), ..cfg });
+    assert!(lone[0].stream.is_none() && !table(&lone).starts_with("stream"), "a lone stream is not named");
 }
 
 #[test]

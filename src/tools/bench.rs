@@ -98,6 +98,9 @@ pub struct BenchConfig {
 /// One row of results.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BenchResult {
+    /// The stream replayed, named when a run compares several (`--stream` more than once).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stream: Option<String>,
     pub backend: String,
     pub mode: String,
     pub threads: String,
@@ -115,8 +118,9 @@ pub struct BenchResult {
     pub bytes_per_placement: Option<f64>,
     /// Peak heap bytes of the index during the replay (sequential mode).
     pub peak_index_bytes: Option<u64>,
-    /// Its block ops/s as a multiple of the first backend's in the same round and mode: the
-    /// median over rounds, then the lowest and highest. `None` for the first backend.
+    /// Its block ops/s as a multiple of the first backend's (on the first stream) in the same
+    /// round and mode: the median over rounds, then the lowest and highest. `None` for the
+    /// first backend on the first stream.
     pub vs_first: Option<Ratio>,
 }
 
@@ -447,18 +451,25 @@ fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: B
     row
 }
 
-/// Runs every configured mode on every configured backend, `repeat` rounds; rows come in the
-/// order of the backends, each with its ratio to the first backend (see `BenchResult::vs_first`).
-pub fn run(wl: &Workload, cfg: &BenchConfig) -> Vec<BenchResult> {
-    let n = cfg.backends.len();
+/// Runs every configured mode on every configured backend and every stream (named; a lone
+/// stream's name is not shown), `repeat` rounds, the order reversed every other round, so that
+/// a ratio between two streams (a hole rate against none, say) is taken within one round of
+/// one process, not across runs whose machine may have drifted. Rows come stream by stream, in
+/// the order of the backends, each with its ratio to the first (see `BenchResult::vs_first`).
+pub fn run(streams: &[(&str, &Workload)], cfg: &BenchConfig) -> Vec<BenchResult> {
+    let cases: Vec<(usize, Indexer)> = (0..streams.len()).flat_map(|s| cfg.backends.iter().map(move |&b| (s, b))).collect();
+    let n = cases.len();
     let mut best: Vec<Vec<BenchResult>> = vec![Vec::new(); n];
-    // Block ops/s by round, backend and mode.
+    // Block ops/s by round, case and mode.
     let mut seen: Vec<Vec<FxHashMap<String, f64>>> = Vec::new();
     for round in 0..cfg.repeat.max(1) {
         let mut this = vec![FxHashMap::default(); n];
         let order: Vec<usize> = if round % 2 == 0 { (0..n).collect() } else { (0..n).rev().collect() };
         for i in order {
-            for r in with_backend(cfg.backends[i], cfg.jump, RunAll { wl, cfg }) {
+            let (s, backend) = cases[i];
+            let (name, wl) = streams[s];
+            for mut r in with_backend(backend, cfg.jump, RunAll { wl, cfg }) {
+                r.stream = (streams.len() > 1).then(|| name.to_string());
                 this[i].insert(r.mode.clone(), r.block_ops_per_s);
                 match best[i].iter_mut().find(|x| x.mode == r.mode) {
                     Some(b) if b.block_ops_per_s >= r.block_ops_per_s => {}
@@ -572,7 +583,9 @@ fn si(x: f64) -> String {
 /// backend's same-round ratio to the first (median, then range).
 pub fn table(rows: &[BenchResult]) -> String {
     let ratios = rows.iter().any(|r| r.vs_first.is_some());
-    let mut s = format!(
+    let width = rows.iter().filter_map(|r| r.stream.as_ref()).map(|n| n.len()).max();
+    let mut s = width.map_or(String::new(), |w| format!("{:<w$} ", "stream"));
+    s += &format!(
         "{:<14} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
         "backend", "mode", "threads", "seconds", "block ops/s", "lookups/s", "p50 us", "p99 us", "p999 us", "B/place", "peak MiB"
     );
@@ -581,6 +594,9 @@ pub fn table(rows: &[BenchResult]) -> String {
     }
     s += "\n";
     for r in rows {
+        if let Some(w) = width {
+            s += &format!("{:<w$} ", r.stream.as_deref().unwrap_or(""));
+        }
         let bpp = r.bytes_per_placement.map_or("-".into(), |b| format!("{b:.1}"));
         let peak = r.peak_index_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
         let lat = |v: f64| if r.lookups == 0 { "-".to_string() } else { format!("{v:.2}") };
