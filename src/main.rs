@@ -536,6 +536,9 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
+    if a.sweep && a.source.stream.len() > 1 {
+        bail!("--sweep replays one stream; give --stream once");
+    }
     let wls = a.source.load_all()?;
     for (name, wl) in &wls {
         eprintln!(
@@ -551,7 +554,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     }
     let progress = !a.no_progress && !a.json;
     if a.sweep {
-        let [(_, wl)] = wls.as_slice() else { bail!("--sweep replays one stream; give --stream once") };
+        let [(_, wl)] = wls.as_slice() else { bail!("--sweep replays one workload") };
         let points = bench::sweep(wl, &a.backends, a.jump, &a.speedups, progress)?;
         if a.json {
             println!("{}", serde_json::to_string_pretty(&points)?);
