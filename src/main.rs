@@ -554,8 +554,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
     }
     let progress = !a.no_progress && !a.json;
     if a.sweep {
-        let [(_, wl)] = wls.as_slice() else { bail!("--sweep replays one workload") };
-        let points = bench::sweep(wl, &a.backends, a.jump, &a.speedups, progress)?;
+        let points = bench::sweep(&wls[0].1, &a.backends, a.jump, &a.speedups, progress)?;
         if a.json {
             println!("{}", serde_json::to_string_pretty(&points)?);
         } else {

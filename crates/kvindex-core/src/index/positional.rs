@@ -237,8 +237,11 @@ impl Rec {
 /// lookups stay exact, only slower.
 #[inline]
 fn place_key((pos, prefix): (u32, u64)) -> u64 {
-    prefix ^ (u64::from(pos) + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+    prefix ^ (u64::from(pos) + 1).wrapping_mul(SPREAD)
 }
+
+/// The 64-bit golden-ratio multiplier: its product's top bits depend on every bit of the factor.
+const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// The wait table of orphans: it swings by large factors as holes open and close, so it is
 /// never shrunk step by step, and given back only when empty and bigger than is worth keeping
@@ -302,7 +305,7 @@ impl WaitFilter {
     /// bits of one word cost the same one load as one bit.
     #[inline]
     fn bits(key: u64) -> (usize, u64) {
-        let mixed = key.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mixed = key.wrapping_mul(SPREAD);
         ((mixed >> 58) as usize, 1 << ((mixed >> 52) & 63) | 1 << ((mixed >> 46) & 63))
     }
 
