@@ -351,7 +351,8 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK> {
     }
 
     /// As [`Self::prefetch`], and two more lines after: removing `key` shifts back the rest
-    /// of its probe run, which at three quarters load spans a few lines of wide slots.
+    /// of its probe run, and inserting an absent key reads to the run's end, which at three
+    /// quarters load spans a few lines of wide slots.
     #[inline]
     pub fn prefetch_run(&self, key: u64) {
         if !self.slots.is_empty() {

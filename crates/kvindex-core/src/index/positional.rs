@@ -1168,7 +1168,7 @@ impl KvIndex for PositionalIndex {
         }
         w.blocks.reserve(blocks.len().min(self.cfg.max_depth.saturating_sub(pos) as usize));
         for (n, b) in blocks.iter().enumerate().take(PREFETCH) {
-            w.blocks.prefetch(b.block_hash.0);
+            w.blocks.prefetch_run(b.block_hash.0);
             self.prefetch_entry(pos + n as u32, chain[n]);
         }
         let start = pos;
@@ -1179,7 +1179,7 @@ impl KvIndex for PositionalIndex {
                 break;
             }
             if let Some(ahead) = blocks.get(n + PREFETCH) {
-                w.blocks.prefetch(ahead.block_hash.0);
+                w.blocks.prefetch_run(ahead.block_hash.0);
                 self.prefetch_entry(start + (n + PREFETCH) as u32, chain[n + PREFETCH]);
             }
             let hash = b.block_hash.0;
