@@ -17,7 +17,7 @@
 //! A worker that holds one place under two engine hashes at once is "tangled": nothing is
 //! hidden, and lookups that meet it check every position, until it is cleared.
 
-use super::linear::{prefetch_raw, LinearMap, Spot, NO_SLOT};
+use super::linear::{prefetch_raw, LinearMap, Split, Spot, NO_SLOT};
 use super::{
     candidate_slots, finish_matches, ApplyOutcome, Beyond, IndexError, IndexStats, KvIndex, MatchOptions, Saved, SavedBlock,
     SavedParent, WorkerMatch,
@@ -248,6 +248,10 @@ const SPREAD: u64 = 0x9E37_79B9_7F4A_7C15;
 /// (see `PositionalWriter::trim`); each entry is a held block, which bounds it.
 type HoleMap<V> = LinearMap<V, false>;
 
+/// A worker's reverse map: most stored blocks are new to it, and a probe for an absent key
+/// reads to the end of its run, so the keys are kept apart from the 32-byte records.
+type ReverseMap = LinearMap<Rec, true, Split<Rec>>;
+
 /// Engine hashes of a parent's children past the first, or of the orphans past the first
 /// waiting at one place: most such lists hold one block, kept without an allocation.
 type Siblings = SmallVec<[u64; 1]>;
@@ -257,7 +261,7 @@ type Siblings = SmallVec<[u64; 1]>;
 pub struct PositionalWriter {
     id: WorkerId,
     slot: Slot,
-    blocks: LinearMap<Rec>,
+    blocks: ReverseMap,
     /// Children past the first, by the parent's engine hash (only branch points have any).
     more_children: SeededMap<u64, Siblings>,
     /// Orphans (held blocks whose parent is not held), the first of each place, by the
@@ -428,7 +432,7 @@ impl PositionalWriter {
     /// `first`), moving the last one into its place; whether the list is gone.
     fn swap_out<K: std::hash::Hash + Eq>(
         lists: &mut SeededMap<K, Siblings>,
-        blocks: &mut LinearMap<Rec>,
+        blocks: &mut ReverseMap,
         key: K,
         idx: u32,
         first: u32,
@@ -1120,7 +1124,7 @@ impl KvIndex for PositionalIndex {
         Ok(PositionalWriter {
             id: worker,
             slot,
-            blocks: LinearMap::default(),
+            blocks: ReverseMap::default(),
             more_children: SeededMap::default(),
             waiting: LinearMap::default(),
             more_waiting: SeededMap::default(),
@@ -1283,7 +1287,7 @@ impl KvIndex for PositionalIndex {
         let removed = w.blocks.len() as u64;
         self.placements.fetch_sub(removed as i64, Ordering::Relaxed);
         let was_holey = w.holey();
-        w.blocks = LinearMap::default();
+        w.blocks = ReverseMap::default();
         w.more_children = SeededMap::default();
         w.waiting = LinearMap::default();
         w.more_waiting = SeededMap::default();
