@@ -40,8 +40,12 @@ pub(crate) trait Layout<V: Copy + Default>: Default {
     fn set_empty(&mut self, i: usize);
     /// Moves slot `from` to `to` (a backward shift).
     fn shift(&mut self, from: usize, to: usize);
-    /// Hints the CPU to fetch slot `i` and the `more` slots after it.
-    fn prefetch(&self, i: usize, more: usize);
+    /// Hints the CPU to fetch what a probe or removal at slot `i` reads first: the slot and
+    /// the one after it.
+    fn prefetch(&self, i: usize);
+    /// As [`Self::prefetch`], and the rest of a probe run from `i`, which at three quarters
+    /// load spans a few lines of wide slots.
+    fn prefetch_run(&self, i: usize);
     #[cfg(test)]
     fn heap_bytes(&self) -> usize;
 }
@@ -92,9 +96,13 @@ impl<V: Copy + Default> Layout<V> for Inline<V> {
         self.0[to] = self.0[from];
     }
     #[inline]
-    fn prefetch(&self, i: usize, more: usize) {
-        let p = self.0.as_ptr().wrapping_add(i) as *const u8;
-        prefetch_lines(p, (1 + more) * std::mem::size_of::<Slot<V>>());
+    fn prefetch(&self, i: usize) {
+        prefetch_lines(self.0.as_ptr().wrapping_add(i) as *const u8, 2 * std::mem::size_of::<Slot<V>>());
+    }
+    /// Two more lines than [`Self::prefetch`].
+    #[inline]
+    fn prefetch_run(&self, i: usize) {
+        prefetch_lines(self.0.as_ptr().wrapping_add(i) as *const u8, 2 * std::mem::size_of::<Slot<V>>() + 128);
     }
     #[cfg(test)]
     fn heap_bytes(&self) -> usize {
@@ -155,12 +163,17 @@ impl<V: Copy + Default> Layout<V> for Split<V> {
         self.keys[to] = self.keys[from];
         self.vals[to] = self.vals[from];
     }
-    /// The keys from `i` on, a line's worth at least (probes read keys, not values), and the
-    /// value at `i`, with the one after it if `more` asks for a run.
+    /// A line of keys from `i` (probes read keys, not values) and the value at `i`.
     #[inline]
-    fn prefetch(&self, i: usize, more: usize) {
-        prefetch_lines(self.keys.as_ptr().wrapping_add(i) as *const u8, ((1 + more) * 8).max(64));
-        prefetch_lines(self.vals.as_ptr().wrapping_add(i) as *const u8, (1 + (more > 1) as usize) * std::mem::size_of::<V>());
+    fn prefetch(&self, i: usize) {
+        prefetch_lines(self.keys.as_ptr().wrapping_add(i) as *const u8, 64);
+        prefetch_lines(self.vals.as_ptr().wrapping_add(i) as *const u8, std::mem::size_of::<V>());
+    }
+    /// A line of keys holds a run at the load kept; a removal's shift moves the value after.
+    #[inline]
+    fn prefetch_run(&self, i: usize) {
+        prefetch_lines(self.keys.as_ptr().wrapping_add(i) as *const u8, 64);
+        prefetch_lines(self.vals.as_ptr().wrapping_add(i) as *const u8, 2 * std::mem::size_of::<V>());
     }
     #[cfg(test)]
     fn heap_bytes(&self) -> usize {
@@ -183,8 +196,6 @@ pub(crate) struct LinearMap<V: Copy + Default, const SHRINK: bool = true, L: Lay
     /// Removals and resizes so far (wrapping): they move slots, so a [`Spot`] taken before
     /// one of them no longer names a place to insert.
     moves: u32,
-    /// `L` holds the values; this names their type for the map.
-    _values: std::marker::PhantomData<V>,
 }
 
 /// Where [`LinearMap::spot`] found a key, or the empty slot its insert would take.
@@ -204,14 +215,7 @@ impl Spot {
 
 impl<V: Copy + Default, const SHRINK: bool, L: Layout<V>> Default for LinearMap<V, SHRINK, L> {
     fn default() -> Self {
-        LinearMap {
-            slots: L::default(),
-            used: 0,
-            zero: None,
-            seed: crate::seeded::process_seed(),
-            moves: 0,
-            _values: std::marker::PhantomData,
-        }
+        LinearMap { slots: L::default(), used: 0, zero: None, seed: crate::seeded::process_seed(), moves: 0 }
     }
 }
 
@@ -515,13 +519,12 @@ impl<V: Copy + Default, const SHRINK: bool, L: Layout<V>> LinearMap<V, SHRINK, L
         }
     }
 
-    /// As [`Self::prefetch`], and more slots after: removing `key` shifts back the rest of its
-    /// probe run, and inserting an absent key reads to the run's end, which at three quarters
-    /// load spans a few lines of wide slots.
+    /// As [`Self::prefetch`], and the rest of the probe run: removing `key` shifts it back,
+    /// and inserting an absent key reads to its end.
     #[inline]
     pub fn prefetch_run(&self, key: u64) {
         if self.slots.cap() != 0 {
-            self.slots.prefetch(self.home(key), 1 + 128 / std::mem::size_of::<Slot<V>>().max(1));
+            self.slots.prefetch_run(self.home(key));
         }
     }
 
@@ -530,7 +533,7 @@ impl<V: Copy + Default, const SHRINK: bool, L: Layout<V>> LinearMap<V, SHRINK, L
     #[inline]
     pub fn prefetch(&self, key: u64) {
         if self.slots.cap() != 0 {
-            self.slots.prefetch(self.home(key), 1);
+            self.slots.prefetch(self.home(key));
         }
     }
 
