@@ -562,15 +562,16 @@ impl<V: Copy + Default, const SHRINK: bool> LinearMap<V, SHRINK, Inline<V>> {
     }
 }
 
-/// Prefetches `key`'s home slot given a [`LinearMap::raw_hint`] that may be stale: the
-/// address is only computed and hinted, never dereferenced, so a stale hint is harmless.
+/// Prefetches `key`'s home slot and the line after it given a [`LinearMap::raw_hint`] that may
+/// be stale: the address is only computed and hinted, never dereferenced, so a stale hint is
+/// harmless. The next line is what a removal's backward shift and a new key's probe read on.
 #[inline]
 pub(crate) fn prefetch_raw<V>(ptr: *const u8, cap: usize, key: u64) {
     if ptr.is_null() || cap == 0 {
         return;
     }
     let idx = home_of(key, crate::seeded::process_seed(), cap);
-    prefetch_lines(ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>()), std::mem::size_of::<Slot<V>>());
+    prefetch_lines(ptr.wrapping_add(idx * std::mem::size_of::<Slot<V>>()), std::mem::size_of::<Slot<V>>() + 64);
 }
 
 /// Hints the CPU to fetch every cache line of the `len` bytes at `from`. The address is only
