@@ -8,10 +8,12 @@
 //! - [`recovery`]: resync requests, readiness after a rebuild, TTL expiry, NATS reconnects;
 //! - [`catch_up`]: whether a JetStream replica has caught up with its stream;
 //! - [`snapshot`]: JetStream mode's index snapshots in the NATS object store;
-//! - [`http`]: `/metrics`, `/healthz`, `/readyz`.
+//! - [`http`]: `/metrics`, `/healthz`, `/readyz`;
+//! - [`huge_pages`]: whether the heap gets transparent huge pages, said at start-up.
 
 mod catch_up;
 mod http;
+mod huge_pages;
 mod ingest;
 mod lookup;
 mod recovery;
@@ -530,6 +532,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         nats = %cfg.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, backend = index.name(),
         apply_threads = cfg.apply_threads(), "kvindex serving"
     );
+    huge_pages::log_state();
     let ignored = Config::ignored_env();
     if !ignored.is_empty() {
         tracing::info!(variables = ?ignored, "ignoring KVINDEX_* variables that name no configuration key");
