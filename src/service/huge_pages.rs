@@ -10,26 +10,30 @@ const THP_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
 pub(crate) enum HugePages {
     /// The kernel backs all anonymous memory with huge pages where it can.
     Always,
-    /// The kernel gives them on request, and glibc asks (`glibc.malloc.hugetlb`).
+    /// The kernel gives them on request, and glibc asks (`glibc.malloc.hugetlb=1`).
     Asked,
     /// The kernel gives them on request, and nothing asks.
     NotAsked,
     /// The kernel gives none.
     Never,
+    /// glibc maps the heap from the kernel's reserved pool of huge pages
+    /// (`glibc.malloc.hugetlb=2`), whatever the transparent setting says.
+    Reserved,
 }
 
-/// Reads the kernel's setting (`always [madvise] never`: the bracketed word is in force) and
-/// glibc's tunables (`GLIBC_TUNABLES`, `name=value` pairs joined by `:`); `None` if the setting
-/// cannot be read or parsed.
+/// The kernel's setting (`always [madvise] never`: the bracketed word is in force) with glibc's
+/// tunables (`GLIBC_TUNABLES`, `name=value` pairs joined by `:`); `None` if the setting is not
+/// understood.
 pub(crate) fn state(thp_enabled: &str, glibc_tunables: Option<&str>) -> Option<HugePages> {
     let mode = thp_enabled.split_whitespace().find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))?;
-    let asked = glibc_tunables
-        .is_some_and(|t| t.split(':').any(|kv| matches!(kv.split_once('='), Some(("glibc.malloc.hugetlb", "1" | "2")))));
-    match mode {
-        "always" => Some(HugePages::Always),
-        "madvise" if asked => Some(HugePages::Asked),
-        "madvise" => Some(HugePages::NotAsked),
-        "never" => Some(HugePages::Never),
+    let hugetlb =
+        glibc_tunables.and_then(|t| t.split(':').rev().find_map(|kv| kv.strip_prefix("glibc.malloc.hugetlb="))).unwrap_or("0");
+    match (mode, hugetlb) {
+        (_, "2") => Some(HugePages::Reserved),
+        ("always", _) => Some(HugePages::Always),
+        ("madvise", "1") => Some(HugePages::Asked),
+        ("madvise", _) => Some(HugePages::NotAsked),
+        ("never", _) => Some(HugePages::Never),
         _ => None,
     }
 }
@@ -46,6 +50,7 @@ pub(crate) fn log_state() {
              GLIBC_TUNABLES=glibc.malloc.hugetlb=1 for faster writes and lookups (docs/OPERATIONS.md, Huge pages)"
         ),
         Some(HugePages::Never) => tracing::info!("transparent huge pages: off on this host"),
+        Some(HugePages::Reserved) => tracing::info!("huge pages: glibc maps the heap from the reserved pool"),
         None => tracing::debug!(setting = enabled.trim(), "transparent huge pages: setting not understood"),
     }
 }
@@ -60,8 +65,13 @@ mod tests {
         assert_eq!(state("always [madvise] never\n", None), Some(HugePages::NotAsked));
         assert_eq!(state("always [madvise] never", Some("glibc.malloc.hugetlb=1")), Some(HugePages::Asked));
         assert_eq!(
-            state("always [madvise] never", Some("glibc.malloc.mmap_threshold=16384:glibc.malloc.hugetlb=2")),
+            state("always [madvise] never", Some("glibc.malloc.mmap_threshold=16384:glibc.malloc.hugetlb=1")),
             Some(HugePages::Asked)
+        );
+        assert_eq!(state("always madvise [never]", Some("glibc.malloc.hugetlb=2")), Some(HugePages::Reserved));
+        assert_eq!(
+            state("always [madvise] never", Some("glibc.malloc.hugetlb=1:glibc.malloc.hugetlb=0")),
+            Some(HugePages::NotAsked)
         );
         assert_eq!(state("always [madvise] never", Some("glibc.malloc.hugetlb=0")), Some(HugePages::NotAsked));
         assert_eq!(state("always [madvise] never", Some("glibc.malloc.hugetlb")), Some(HugePages::NotAsked));
