@@ -40,12 +40,15 @@ pub(crate) trait Layout<V: Copy + Default>: Default {
     fn set_empty(&mut self, i: usize);
     /// Moves slot `from` to `to` (a backward shift).
     fn shift(&mut self, from: usize, to: usize);
-    /// Hints the CPU to fetch what a probe or removal at slot `i` reads first: the slot and
-    /// the one after it.
+    /// Hints the CPU to fetch what a probe or removal at slot `i` reads first (each layout
+    /// says which lines).
     fn prefetch(&self, i: usize);
-    /// As [`Self::prefetch`], and the rest of a probe run from `i`, which at three quarters
-    /// load spans a few lines of wide slots.
-    fn prefetch_run(&self, i: usize);
+    /// As [`Self::prefetch`], and the rest of a probe run from `i`; by default no more (only
+    /// the reverse map, a [`Split`] table, prefetches runs).
+    #[inline]
+    fn prefetch_run(&self, i: usize) {
+        self.prefetch(i);
+    }
     #[cfg(test)]
     fn heap_bytes(&self) -> usize;
 }
@@ -98,11 +101,6 @@ impl<V: Copy + Default> Layout<V> for Inline<V> {
     #[inline]
     fn prefetch(&self, i: usize) {
         prefetch_lines(self.0.as_ptr().wrapping_add(i) as *const u8, 2 * std::mem::size_of::<Slot<V>>());
-    }
-    /// Two more lines than [`Self::prefetch`].
-    #[inline]
-    fn prefetch_run(&self, i: usize) {
-        prefetch_lines(self.0.as_ptr().wrapping_add(i) as *const u8, 2 * std::mem::size_of::<Slot<V>>() + 128);
     }
     #[cfg(test)]
     fn heap_bytes(&self) -> usize {
