@@ -407,7 +407,8 @@ impl PositionalWriter {
             Self::swap_out(&mut self.more_waiting, &mut self.blocks, key, idx, 2);
             return;
         }
-        let next = match self.more_waiting.get_mut(&key) {
+        let more = if self.more_waiting.is_empty() { None } else { self.more_waiting.get_mut(&key) };
+        let next = match more {
             Some(v) => {
                 let last = v.pop();
                 if v.is_empty() {
@@ -868,8 +869,9 @@ impl PositionalIndex {
             left.clear();
             return;
         }
-        for &(child, _) in left.iter() {
+        for &(child, waits_for) in left.iter() {
             w.blocks.prefetch(child);
+            w.waiting.prefetch_run(place_key(waits_for));
         }
         let mut stack = STACK.take();
         stack.clear();
@@ -913,9 +915,10 @@ impl PositionalIndex {
 
     /// Hides (`show` false) or shows the blocks in `stack` (emptied) and their descendants in
     /// the same jump window; false if a shown place turned out to be held twice, or the walk
-    /// passed `limit` blocks. The index entries are updated after the walk, their fetches
-    /// started during it, so that they overlap one another rather than each wait for the one
-    /// before.
+    /// passed `limit` blocks. Breadth first, so that the record of a child, prefetched when its
+    /// parent is visited, has the rest of the walk's front to arrive in. The index entries are
+    /// updated after the walk, their fetches started during it, so that they overlap one
+    /// another rather than each wait for the one before.
     fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: &mut Vec<u64>, show: bool, limit: usize) -> bool {
         let mut places = PLACES.take();
         places.clear();
@@ -938,10 +941,11 @@ impl PositionalIndex {
         limit: usize,
     ) -> bool {
         let mut clean = true;
-        while let Some(h) = stack.pop() {
+        let mut next = 0;
+        while let Some(&h) = stack.get(next) {
+            next += 1;
             walked += 1;
             if walked > limit {
-                stack.clear();
                 clean = false;
                 break;
             }
@@ -960,6 +964,7 @@ impl PositionalIndex {
             let rec = *r;
             self.step(w, h, &rec, places, stack);
         }
+        stack.clear();
         for &(pos, prefix) in places.iter() {
             if show {
                 cur.hidden -= 1;
