@@ -600,8 +600,9 @@ thread_local! {
     /// Writes' scratch: the prefix hashes of the chain being stored. Kept per apply thread,
     /// not per worker, where a thousand workers would each keep their longest chain's worth.
     static CHAIN: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
-    /// Writes' scratch: the blocks left to visit in a subtree walk (per thread, as `CHAIN`).
-    static STACK: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the blocks a subtree walk visits, in the order it visits them (per
+    /// thread, as `CHAIN`).
+    static QUEUE: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
     static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the children of the blocks a removal took out, with the place each
@@ -757,7 +758,7 @@ impl PositionalIndex {
         let (pos, prefix) = place;
         let key = place_key(place);
         let mut clean = true;
-        let mut orphans = STACK.take();
+        let mut orphans = QUEUE.take();
         orphans.clear();
         orphans.push(first);
         if let Some(more) = if w.more_waiting.is_empty() { None } else { w.more_waiting.remove(&key) } {
@@ -771,7 +772,7 @@ impl PositionalIndex {
         if !hidden || !self.same_window(pos) {
             clean &= self.walk(cur, w, &mut orphans, true, MAX_WALK);
         }
-        STACK.set(orphans);
+        QUEUE.set(orphans);
         clean
     }
 
@@ -869,12 +870,11 @@ impl PositionalIndex {
             left.clear();
             return;
         }
-        for &(child, waits_for) in left.iter() {
+        for &(child, _) in left.iter() {
             w.blocks.prefetch(child);
-            w.waiting.prefetch_run(place_key(waits_for));
         }
-        let mut stack = STACK.take();
-        stack.clear();
+        let mut queue = QUEUE.take();
+        queue.clear();
         let mut places = PLACES.take();
         places.clear();
         let mut clean = true;
@@ -884,13 +884,13 @@ impl PositionalIndex {
                 clean &= fits;
                 walked += 1;
                 if let Some(rec) = rec {
-                    self.step(w, child, &rec, &mut places, &mut stack);
+                    self.step(w, child, &rec, &mut places, &mut queue);
                 }
             }
         }
         left.clear();
-        clean &= self.walk_on(cur, w, &mut stack, &mut places, false, walked, MAX_WALK.saturating_mul(removed));
-        STACK.set(stack);
+        clean &= self.walk_on(cur, w, &mut queue, &mut places, false, walked, MAX_WALK.saturating_mul(removed));
+        QUEUE.set(queue);
         PLACES.set(places);
         if !clean {
             self.tangle(cur, w);
@@ -899,9 +899,9 @@ impl PositionalIndex {
 
     /// The part of a walk step after the block `h` (its record `rec`, flag already changed)
     /// was hidden or shown: its index entry fetched, its place noted, its children in the same
-    /// window put on `stack`.
+    /// window put on `queue`.
     #[inline(always)]
-    fn step(&self, w: &PositionalWriter, h: u64, rec: &Rec, places: &mut Vec<(u32, u64)>, stack: &mut Vec<u64>) {
+    fn step(&self, w: &PositionalWriter, h: u64, rec: &Rec, places: &mut Vec<(u32, u64)>, queue: &mut Vec<u64>) {
         let deeper = self.same_window(rec.pos);
         if deeper {
             w.prefetch_first_child(rec);
@@ -909,20 +909,20 @@ impl PositionalIndex {
         self.prefetch_entry(rec.pos, rec.prefix);
         places.push(rec.place());
         if deeper {
-            w.children_into(h, rec, stack);
+            w.children_into(h, rec, queue);
         }
     }
 
-    /// Hides (`show` false) or shows the blocks in `stack` (emptied) and their descendants in
+    /// Hides (`show` false) or shows the blocks in `queue` (emptied) and their descendants in
     /// the same jump window; false if a shown place turned out to be held twice, or the walk
     /// passed `limit` blocks. Breadth first, so that the record of a child, prefetched when its
     /// parent is visited, has the rest of the walk's front to arrive in. The index entries are
     /// updated after the walk, their fetches started during it, so that they overlap one
     /// another rather than each wait for the one before.
-    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, stack: &mut Vec<u64>, show: bool, limit: usize) -> bool {
+    fn walk(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, queue: &mut Vec<u64>, show: bool, limit: usize) -> bool {
         let mut places = PLACES.take();
         places.clear();
-        let clean = self.walk_on(cur, w, stack, &mut places, show, 0, limit);
+        let clean = self.walk_on(cur, w, queue, &mut places, show, 0, limit);
         PLACES.set(places);
         clean
     }
@@ -934,7 +934,7 @@ impl PositionalIndex {
         &self,
         cur: &mut WriteCursor<'_>,
         w: &mut PositionalWriter,
-        stack: &mut Vec<u64>,
+        queue: &mut Vec<u64>,
         places: &mut Vec<(u32, u64)>,
         show: bool,
         mut walked: usize,
@@ -942,7 +942,7 @@ impl PositionalIndex {
     ) -> bool {
         let mut clean = true;
         let mut next = 0;
-        while let Some(&h) = stack.get(next) {
+        while let Some(&h) = queue.get(next) {
             next += 1;
             walked += 1;
             if walked > limit {
@@ -962,9 +962,9 @@ impl PositionalIndex {
                 r.meta |= HIDDEN;
             }
             let rec = *r;
-            self.step(w, h, &rec, places, stack);
+            self.step(w, h, &rec, places, queue);
         }
-        stack.clear();
+        queue.clear();
         for &(pos, prefix) in places.iter() {
             if show {
                 cur.hidden -= 1;
