@@ -195,10 +195,15 @@ const HIDDEN: u32 = 1 << 30;
 const ORPHAN: u32 = 1 << 29;
 /// `Rec::meta` bits: the block has children past the first (in `more_children`).
 const HAS_MORE: u32 = 1 << 28;
+/// `Rec::meta` bits: its parent was removed by the removal in progress, which lists it in its
+/// `LEFT` scratch at the index in its `SIB_MASK` bits; `parent` is the removed parent's prefix.
+/// So a child removed later in the same event is struck from that list, not looked for.
+const PARENT_GONE: u32 = 1 << 27;
 /// `Rec::meta` bits: 1 + its index in the list that holds it (its parent's `more_children`),
 /// 0 if it is its parent's first child or a root; for an orphan, 1 if it is the first of its
-/// place in `waiting`, 2 + its index in `more_waiting` otherwise.
-const SIB_MASK: u32 = HAS_MORE - 1;
+/// place in `waiting`, 2 + its index in `more_waiting` otherwise; under `PARENT_GONE`, its
+/// index in the removal's list.
+const SIB_MASK: u32 = PARENT_GONE - 1;
 /// Most blocks one hole may hide or show (the reference trace needs under 200, with every
 /// block in one worker): a publisher that builds a bigger subtree in one jump window gets its
 /// worker tangled instead, so a one-block event never costs more than this.
@@ -226,7 +231,8 @@ impl Rec {
         (self.pos, self.prefix)
     }
 
-    /// For an orphan: the key of the place it waits for in `PositionalWriter::waiting`.
+    /// For an orphan (or a block whose parent is gone): the key of the place it waits for in
+    /// `PositionalWriter::waiting`.
     fn wait_key(&self) -> u64 {
         place_key((self.pos.wrapping_sub(1), self.parent))
     }
@@ -386,16 +392,18 @@ impl PositionalWriter {
         v.len() + 1
     }
 
-    /// The block `hash`, if still held, becomes an orphan waiting for its parent's place
-    /// `waits_for` (position, prefix), hidden: `None` if it is not held, else whether its index
+    /// The block `hash`, whose parent a removal took (`PARENT_GONE`), becomes an orphan waiting
+    /// for its parent's place, hidden: `None` if it is not such a block, else whether its index
     /// still fits (only a worker with hundreds of millions of blocks gets past it) and its
     /// record, or none if it was hidden already (so is all it holds in its window).
-    fn orphan(&mut self, hash: u64, waits_for: (u32, u64)) -> Option<(bool, Option<Rec>)> {
-        let (_, slot) = self.blocks.get_at(hash)?;
-        let idx = self.wait(place_key(waits_for), hash);
+    fn orphan(&mut self, hash: u64) -> Option<(bool, Option<Rec>)> {
+        let (r, slot) = self.blocks.get_at(hash)?;
+        if r.meta & PARENT_GONE == 0 {
+            return None;
+        }
+        let idx = self.wait(r.wait_key(), hash);
         let r = self.blocks.get_mut_near(hash, slot)?;
-        r.meta = (r.meta & !SIB_MASK) | ORPHAN | (idx as u32 & SIB_MASK);
-        r.parent = waits_for.1;
+        r.meta = (r.meta & !(SIB_MASK | PARENT_GONE)) | ORPHAN | (idx as u32 & SIB_MASK);
         let was_hidden = r.hidden();
         r.meta |= HIDDEN;
         Some((idx < SIB_MASK as usize, (!was_hidden).then_some(*r)))
@@ -510,8 +518,7 @@ impl PositionalWriter {
     }
 
     /// Takes the removed block `rec` out of its parent's children, or out of its wait list;
-    /// `parent_near` hints where the parent's record is. A child that a removal in progress
-    /// left (see `PositionalIndex::leave_children`) names a parent already gone: nothing to do.
+    /// `parent_near` hints where the parent's record is.
     fn unlink(&mut self, rec: &Rec, parent_near: usize) {
         let idx = rec.meta & SIB_MASK;
         if rec.meta & ORPHAN != 0 {
@@ -605,10 +612,10 @@ thread_local! {
     static QUEUE: Cell<Vec<u64>> = const { Cell::new(Vec::new()) };
     /// Writes' scratch: the places a hole's walk hides (per thread, as `CHAIN`).
     static PLACES: Cell<Vec<(u32, u64)>> = const { Cell::new(Vec::new()) };
-    /// Writes' scratch: the children of the blocks a removal took out, with the place each
-    /// would wait for; those still held once all its blocks are gone become orphans and are
-    /// hidden (per thread, as `CHAIN`).
-    static LEFT: Cell<Vec<(u64, (u32, u64))>> = const { Cell::new(Vec::new()) };
+    /// Writes' scratch: the children of the blocks a removal took out (`PARENT_GONE`), struck
+    /// out (`None`) as the removal takes them too; those left once all its blocks are gone
+    /// become orphans and are hidden (per thread, as `CHAIN`).
+    static LEFT: Cell<Vec<Option<u64>>> = const { Cell::new(Vec::new()) };
 }
 
 impl Default for PositionalIndex {
@@ -788,7 +795,7 @@ impl PositionalIndex {
         hash: u64,
         rec: Rec,
         parent_near: usize,
-        left: &mut Vec<(u64, (u32, u64))>,
+        left: &mut Vec<Option<u64>>,
     ) {
         if w.tangled {
             let key = rec.place();
@@ -808,17 +815,23 @@ impl PositionalIndex {
         } else {
             self.index_remove(cur, rec.pos, rec.prefix, w.slot);
         }
-        w.unlink(&rec, parent_near);
+        if rec.meta & PARENT_GONE != 0 {
+            if let Some(listed) = left.get_mut((rec.meta & SIB_MASK) as usize) {
+                *listed = None;
+            }
+        } else {
+            w.unlink(&rec, parent_near);
+        }
         if rec.meta & HAS_CHILD != 0 {
             self.leave_children(cur, w, hash, &rec, left);
         }
     }
 
-    /// The children of the removed block `hash` (its record `rec`) are pushed on `left`, with
-    /// its place, for [`Self::hide`]: most leave in the same event (an engine freeing a
-    /// sequence from a hole on), so they are not made orphans before it is done. Until then
-    /// each keeps naming its gone parent, which unlinking it allows for. Out of line: a removal
-    /// in the usual order (tail first) finds no children.
+    /// The children of the removed block `hash` (its record `rec`) are marked `PARENT_GONE`
+    /// and pushed on `left` for [`Self::hide`]: most leave in the same event (an engine freeing
+    /// a sequence from a hole on), so they are not made orphans before it is done, and one
+    /// that leaves strikes itself from `left` by the index its mark holds. Out of line: a
+    /// removal in the usual order (tail first) finds no children.
     #[inline(never)]
     fn leave_children(
         &self,
@@ -826,17 +839,22 @@ impl PositionalIndex {
         w: &mut PositionalWriter,
         hash: u64,
         rec: &Rec,
-        left: &mut Vec<(u64, (u32, u64))>,
+        left: &mut Vec<Option<u64>>,
     ) {
         let more = if rec.meta & HAS_MORE != 0 { w.more_children.remove(&hash) } else { None };
         let more = more.as_deref().unwrap_or(&[]);
-        if more.len() >= MAX_WALK {
+        if more.len() >= MAX_WALK || left.len() + more.len() >= SIB_MASK as usize {
             left.clear();
             self.tangle(cur, w);
             return;
         }
-        left.push((rec.first_child, rec.place()));
-        left.extend(more.iter().map(|&k| (k, rec.place())));
+        for &child in std::iter::once(&rec.first_child).chain(more) {
+            if let Some(r) = w.blocks.get_mut(child) {
+                r.meta = (r.meta & !SIB_MASK) | PARENT_GONE | left.len() as u32;
+                r.parent = rec.prefix;
+                left.push(Some(child));
+            }
+        }
     }
 
     /// Takes out the block `hash` (its record `old`) that a store names again at another place,
@@ -865,13 +883,10 @@ impl PositionalIndex {
     /// and no wait list holds, what the same event removes next. The walk may visit `MAX_WALK`
     /// blocks per block the write removed; past that, or if the wait lists overflow, the worker
     /// is tangled.
-    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, left: &mut Vec<(u64, (u32, u64))>, removed: usize) {
+    fn hide(&self, cur: &mut WriteCursor<'_>, w: &mut PositionalWriter, left: &mut Vec<Option<u64>>, removed: usize) {
         if w.tangled || left.is_empty() {
             left.clear();
             return;
-        }
-        for &(child, _) in left.iter() {
-            w.blocks.prefetch(child);
         }
         let mut queue = QUEUE.take();
         queue.clear();
@@ -879,8 +894,15 @@ impl PositionalIndex {
         places.clear();
         let mut clean = true;
         let mut walked = 0;
-        for &(child, waits_for) in left.iter() {
-            if let Some((fits, rec)) = w.orphan(child, waits_for) {
+        // Their records were read as their parents went; their wait slots are fetched all at
+        // once, before the first is written.
+        for &child in left.iter().flatten() {
+            if let Some(r) = w.blocks.get(child) {
+                w.waiting.prefetch(r.wait_key());
+            }
+        }
+        for &child in left.iter().flatten() {
+            if let Some((fits, rec)) = w.orphan(child) {
                 clean &= fits;
                 walked += 1;
                 if let Some(rec) = rec {
@@ -1003,8 +1025,8 @@ impl PositionalIndex {
 
     /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
-    /// being in cache by now, the index entry (none for a hidden block) and the parent's
-    /// record (for an orphan, its wait slot) D ahead, then the entry's spilled members
+    /// being in cache by now, the index entry (none for a hidden block), the parent's record
+    /// (for an orphan, its wait slot) and the first child's D ahead, then the entry's spilled members
     /// `STAGE` ahead.
     /// Returns the reverse-map slot of the block D ahead, a hint for its own removal.
     #[inline]
@@ -1028,8 +1050,12 @@ impl PositionalIndex {
             }
             if rec.meta & ORPHAN != 0 {
                 w.waiting.prefetch(rec.wait_key());
-            } else {
+            } else if rec.meta & PARENT_GONE == 0 {
                 w.blocks.prefetch(rec.parent);
+            }
+            // A child the removal leaves, if it is not removed first (tail first, it is).
+            if rec.meta & HAS_CHILD != 0 && key(n + PREFETCH - 1) != Some(rec.first_child) {
+                w.blocks.prefetch(rec.first_child);
             }
         }
         if self.registry.may_spill() {
