@@ -894,13 +894,6 @@ impl PositionalIndex {
         places.clear();
         let mut clean = true;
         let mut walked = 0;
-        // Their records were read as their parents went; their wait slots are fetched all at
-        // once, before the first is written.
-        for &child in left.iter().flatten() {
-            if let Some(r) = w.blocks.get(child) {
-                w.waiting.prefetch(r.wait_key());
-            }
-        }
         for &child in left.iter().flatten() {
             if let Some((fits, rec)) = w.orphan(child) {
                 clean &= fits;
@@ -1026,8 +1019,8 @@ impl PositionalIndex {
     /// A removal's staged prefetch before its `n`-th block (`key(i)`: the i-th block's hash):
     /// the reverse-map slot 2*D blocks ahead (all up to there at the start), then, that record
     /// being in cache by now, the index entry (none for a hidden block), the parent's record
-    /// (for an orphan, its wait slot) and the first child's D ahead, then the entry's spilled members
-    /// `STAGE` ahead.
+    /// (for an orphan, its wait slot) and the first child's D ahead, then the entry's spilled
+    /// members `STAGE` ahead.
     /// Returns the reverse-map slot of the block D ahead, a hint for its own removal.
     #[inline]
     fn prefetch_removal(
