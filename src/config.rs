@@ -180,7 +180,7 @@ impl Default for Config {
             snapshot_interval: 60,
             snapshot_events: 1_000_000,
             snapshot_keep: 3,
-            backend: Backend::Positional,
+            backend: Backend::Runs,
             jump: index.jump,
             max_depth: index.max_depth,
             max_workers: index.max_workers,

@@ -193,7 +193,7 @@ struct BenchArgs {
     #[command(flatten)]
     source: Source,
     /// Backends to compare, side by side (smg-positional and smg-chain: built with `--features peers`).
-    #[arg(long, value_delimiter = ',', default_value = "positional,radix")]
+    #[arg(long, value_delimiter = ',', default_value = "runs,positional")]
     backends: Vec<Indexer>,
     /// What to measure.
     #[arg(long, value_delimiter = ',', default_value = "sequential,end-state,events,lookups,concurrent")]

@@ -30,6 +30,7 @@ use ingest::Cursors;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{Backend, KvIndex};
 use kvindex_core::tiers::OtherTiers;
 use parking_lot::Mutex;
@@ -197,6 +198,10 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
         anyhow::bail!("kvindex serve needs a multi-threaded tokio runtime");
     }
     match cfg.backend {
+        Backend::Runs => {
+            let index_cfg = RunConfig { max_depth: cfg.max_depth, max_workers: cfg.max_workers };
+            run(cfg, move || RunIndex::new(index_cfg), shutdown).await
+        }
         Backend::Positional => {
             let index_cfg = PositionalConfig { jump: cfg.jump, max_depth: cfg.max_depth, max_workers: cfg.max_workers };
             run(cfg, move || PositionalIndex::new(index_cfg), shutdown).await

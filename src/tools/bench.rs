@@ -11,6 +11,7 @@ use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{Backend, KvIndex, MatchOptions};
 use kvindex_core::Event;
 use rustc_hash::FxHashMap;
@@ -203,6 +204,7 @@ pub fn with_backend<R>(indexer: Indexer, jump: usize, f: impl FnOnceIndex<R>) ->
     let max_depth = PositionalConfig::default().max_depth;
     let max_workers = PositionalConfig::default().max_workers;
     match indexer {
+        Indexer::Kvindex(Backend::Runs) => f.call(|| RunIndex::new(RunConfig { max_depth, max_workers })),
         Indexer::Kvindex(Backend::Positional) => f.call(|| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
         Indexer::Kvindex(Backend::Radix) => f.call(|| RadixIndex::new(max_depth, max_workers)),
         Indexer::Kvindex(Backend::Reference) => f.call(|| ReferenceIndex::new(max_depth, max_workers)),

@@ -59,4 +59,5 @@ pub use hash::{local_hashes, BlockHash, LocalHash, PrefixHash, StoredBlock, Work
 pub use index::positional::{PositionalConfig, PositionalIndex};
 pub use index::radix::RadixIndex;
 pub use index::reference::ReferenceIndex;
+pub use index::runs::{RunConfig, RunIndex};
 pub use index::{ApplyOutcome, Backend, IndexStats, KvIndex, MatchOptions, WorkerMatch};

@@ -16,6 +16,9 @@ pub struct WorkerRegistry {
     capacity: u32,
     inner: Mutex<RegistryInner>,
     ids: RwLock<Vec<Option<WorkerId>>>,
+    /// Every slot in use, ordered by worker: lookups that must keep the lowest ids of many
+    /// workers tied at one depth walk it instead of sorting them.
+    order: RwLock<Vec<Slot>>,
     /// Slots that lookups must check position by position (a tangled positional writer).
     holey: Box<[AtomicU64]>,
     /// Set once a slot past the first inline window is handed out: only then can a worker set
@@ -46,6 +49,7 @@ impl WorkerRegistry {
             capacity,
             inner: Mutex::new(RegistryInner::default()),
             ids: RwLock::new(Vec::new()),
+            order: RwLock::new(Vec::new()),
             holey: (0..words).map(|_| AtomicU64::new(0)).collect(),
             wide: AtomicBool::new(false),
         }
@@ -79,6 +83,9 @@ impl WorkerRegistry {
             ids.resize(slot as usize + 1, None);
         }
         ids[slot as usize] = Some(id);
+        let mut order = self.order.write();
+        let at = order.partition_point(|&s| ids[s as usize].is_some_and(|w| w < id));
+        order.insert(at, slot);
         Ok(slot)
     }
 
@@ -86,7 +93,9 @@ impl WorkerRegistry {
     pub fn release(&self, id: WorkerId) {
         let mut inner = self.inner.lock();
         if let Some(slot) = inner.by_id.remove(&id) {
-            self.ids.write()[slot as usize] = None;
+            let mut ids = self.ids.write();
+            ids[slot as usize] = None;
+            self.order.write().retain(|&s| s != slot);
             self.set_holey(slot, false);
             inner.free.push(slot);
             // Lowest slots first keeps worker sets inside the first inline window.
@@ -123,6 +132,11 @@ impl WorkerRegistry {
     /// Calls `f` with the slot-to-worker table (read-locked once per lookup).
     pub fn with_ids<R>(&self, f: impl FnOnce(&[Option<WorkerId>]) -> R) -> R {
         f(&self.ids.read())
+    }
+
+    /// Calls `f` with the slots in use ordered by worker (read-locked once per lookup).
+    pub fn with_order<R>(&self, f: impl FnOnce(&[Slot]) -> R) -> R {
+        f(&self.order.read())
     }
 
     pub(crate) fn set_holey(&self, slot: Slot, on: bool) {
@@ -810,6 +824,25 @@ pub struct SlotBits {
 }
 
 impl SlotBits {
+    /// Its words, 64 slots each.
+    #[inline]
+    pub(crate) fn words(&self) -> &[u64] {
+        &self.words
+    }
+
+    /// Its words, to change in place.
+    #[inline]
+    pub(crate) fn words_mut(&mut self) -> &mut [u64] {
+        &mut self.words
+    }
+
+    /// Empties it and sets its room to `words` words.
+    #[inline]
+    pub(crate) fn clear_to(&mut self, words: usize) {
+        self.words.clear();
+        self.words.resize(words, 0);
+    }
+
     /// Its lowest member.
     pub fn first(&self) -> Option<Slot> {
         first_of(&self.words)

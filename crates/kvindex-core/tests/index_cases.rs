@@ -4,6 +4,7 @@ use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{KvIndex, MatchOptions};
 
 fn chain(hashes: impl IntoIterator<Item = u64>, locals: impl IntoIterator<Item = u64>) -> Vec<StoredBlock> {
@@ -30,6 +31,10 @@ macro_rules! for_each_backend {
             #[test]
             fn positional_jump_1() {
                 super::$case(PositionalIndex::new(PositionalConfig { jump: 1, ..Default::default() }));
+            }
+            #[test]
+            fn runs() {
+                super::$case(RunIndex::new(RunConfig::default()));
             }
             #[test]
             fn radix() {

@@ -4,13 +4,15 @@
 //! daemon, one apply thread owns each worker's writer), so a worker's reverse map needs no
 //! lock. Lookups take `&self` and run on the caller's thread, concurrently with writes.
 //!
-//! Backends: [`positional::PositionalIndex`] (the default), [`radix::RadixIndex`] and the
-//! [`reference::ReferenceIndex`] model that the tests compare both against.
+//! Backends: [`runs::RunIndex`] (the default), [`positional::PositionalIndex`],
+//! [`radix::RadixIndex`] and the [`reference::ReferenceIndex`] model the tests compare them
+//! against.
 
 pub(crate) mod linear;
 pub mod positional;
 pub mod radix;
 pub mod reference;
+pub mod runs;
 
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::seeded::SeededState;
@@ -283,7 +285,9 @@ pub fn order_matches(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {
-    /// [`positional::PositionalIndex`]: per-position tables, jump search (the default).
+    /// [`runs::RunIndex`]: a tree of runs with a coverage word per worker (the default).
+    Runs,
+    /// [`positional::PositionalIndex`]: per-position tables, jump search.
     Positional,
     /// [`radix::RadixIndex`]: a radix tree, for short or highly divergent sequences.
     Radix,
@@ -293,11 +297,12 @@ pub enum Backend {
 
 impl Backend {
     /// Every backend, in the order the CLI lists them.
-    pub const ALL: [Backend; 3] = [Backend::Positional, Backend::Radix, Backend::Reference];
+    pub const ALL: [Backend; 4] = [Backend::Runs, Backend::Positional, Backend::Radix, Backend::Reference];
 
     /// The backend's config and CLI name.
     pub fn as_str(self) -> &'static str {
         match self {
+            Backend::Runs => "runs",
             Backend::Positional => "positional",
             Backend::Radix => "radix",
             Backend::Reference => "reference",

@@ -1,0 +1,770 @@
+//! The write side of the run index: a worker's private state and the walks that store and
+//! remove its blocks.
+//!
+//! A worker's writer owns everything about the worker that lookups do not read: its map from
+//! engine hash to place (the only per-block work of a write), its state in each run it holds
+//! blocks in (cutoff, hidden blocks), the places it holds under more than one engine hash, and
+//! its blocks past the depth limit. The shared runs change only under their own locks, one at a
+//! time: a writer never holds two run locks except while linking a run no one else can reach.
+
+use super::blockmap::BlockMap;
+use super::cover::{Cover, Dense};
+use super::held::{Hidden, Mine};
+use super::shared::{Children, Meta, Run, RunId, ROOT};
+use super::{new_hashes, RunIndex};
+use crate::hash::{BlockHash, StoredBlock, WorkerId};
+use crate::index::linear::LinearMap;
+use crate::index::{ApplyOutcome, Beyond, Saved, SavedBlock, SavedParent};
+use crate::seeded::SeededMap;
+use crate::workers::Slot;
+use crossbeam_epoch::{self as epoch, Guard, Owned, Shared};
+use parking_lot::MutexGuard;
+use std::sync::atomic::Ordering;
+
+/// How many blocks ahead a write prefetches the map slot of the block it will come to: a
+/// worker's map is too big to stay in cache between its events.
+const AHEAD: usize = 8;
+
+/// Workers holding a run before its coverage turns dense (and half as many to turn back), if
+/// they are a sixteenth of the fleet: a dense cover costs four bytes a slot of the fleet.
+const DENSE_AT: u32 = 32;
+
+/// A block's place: its run's id (high half) and its offset in the run (low half).
+type Place = u64;
+
+#[inline]
+fn place(run: RunId, off: u32) -> Place {
+    (u64::from(run) << 32) | u64::from(off)
+}
+
+#[inline]
+fn unplace(p: Place) -> (RunId, u32) {
+    ((p >> 32) as RunId, p as u32)
+}
+
+/// A worker's write state; one thread at a time owns it (an apply thread, in the daemon).
+pub struct RunWriter {
+    /// The worker.
+    pub(crate) worker: WorkerId,
+    /// Its slot: the number its coverage words carry.
+    slot: Slot,
+    /// Engine hash -> the place of the block: what `removed` events name blocks by.
+    blocks: BlockMap,
+    /// Run id -> its state there, for every run it holds a block in.
+    runs: LinearMap<Mine>,
+    /// Run id -> its hidden intervals, for the runs where it has a hole.
+    hidden: SeededMap<RunId, Hidden>,
+    /// Place -> engine hashes it holds there beyond the first (an engine naming one block twice):
+    /// the place stays held until the last of them goes.
+    aliases: LinearMap<u32>,
+    /// Engine hashes of its blocks past the depth limit.
+    beyond: Beyond,
+    /// Places given up by a store (engine hashes stored again elsewhere), let go after it.
+    moved: Vec<Place>,
+}
+
+impl RunWriter {
+    pub(super) fn new(worker: WorkerId, slot: Slot) -> Self {
+        RunWriter {
+            worker,
+            slot,
+            blocks: BlockMap::default(),
+            runs: LinearMap::default(),
+            hidden: SeededMap::default(),
+            aliases: LinearMap::default(),
+            beyond: Beyond::default(),
+            moved: Vec::new(),
+        }
+    }
+
+    /// One more engine hash holds `p` (it was held already).
+    fn alias_add(&mut self, p: Place) {
+        *self.aliases.upsert(p, 0).0 += 1;
+    }
+
+    /// If another engine hash still holds `p`, counts one fewer and says so: the place stays.
+    #[inline]
+    fn alias_drop(&mut self, p: Place) -> bool {
+        !self.aliases.is_empty() && self.alias_drop_slow(p)
+    }
+
+    #[inline(never)]
+    fn alias_drop_slow(&mut self, p: Place) -> bool {
+        self.aliases
+            .update_or_remove(p, |n| {
+                *n -= 1;
+                *n == 0
+            })
+            .is_some()
+    }
+}
+
+/// Counters a write sums locally and adds to the index's once.
+#[derive(Default)]
+struct Delta {
+    placements: i64,
+    blocks: i64,
+    hidden: i64,
+}
+
+/// The run a walk was in died before the worker held a block of it: look again from the last
+/// place the walk stood on.
+struct Dead;
+
+/// Removals of one run gathered before its coverage word is written once.
+struct Batch {
+    run: RunId,
+    before: Mine,
+    now: Mine,
+}
+
+impl RunIndex {
+    /// Adds a write's counters to the index's.
+    fn commit(&self, d: &Delta) {
+        if d.placements != 0 {
+            self.placements.fetch_add(d.placements, Ordering::Relaxed);
+        }
+        if d.blocks != 0 {
+            self.blocks.fetch_add(d.blocks, Ordering::Relaxed);
+        }
+        if d.hidden != 0 {
+            self.hidden.fetch_add(d.hidden, Ordering::Relaxed);
+        }
+    }
+
+    /// The run of an id the writer holds blocks in (so it is alive).
+    fn held_run<'g>(&self, id: RunId, guard: &'g Guard) -> &'g Run {
+        match self.slab.get(id, guard) {
+            Some(r) => r,
+            None => unreachable!("run {id} is held by a writer, so it is alive"),
+        }
+    }
+
+    pub(super) fn store_chain(&self, w: &mut RunWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        if blocks.is_empty() {
+            return out;
+        }
+        let guard = epoch::pin();
+        let start = match parent {
+            None => (self.root(&guard), 0),
+            Some(h) => match w.blocks.get(h.0) {
+                Some(p) => {
+                    let (run, off) = unplace(p);
+                    (self.held_run(run, &guard), off + 1)
+                }
+                None if w.beyond.contains(h) => {
+                    out.too_deep = w.beyond.add(blocks);
+                    return out;
+                }
+                None => {
+                    out.unplaceable = blocks.len() as u64;
+                    return out;
+                }
+            },
+        };
+        let mut d = Delta::default();
+        self.walk_store(w, start, blocks, &mut out, &mut d, &guard);
+        self.let_go_moved(w, &mut d, &guard);
+        self.commit(&d);
+        out
+    }
+
+    /// Places `blocks` from `(run, off)` on: the walk compares them with the runs already
+    /// there, joins those, and appends or opens a run for the rest. `(run, off)` is the root
+    /// or a place right after a block the worker holds, so the run cannot die under the walk.
+    fn walk_store<'g>(
+        &self,
+        w: &mut RunWriter,
+        (mut run, mut off): (&'g Run, u32),
+        blocks: &[StoredBlock],
+        out: &mut ApplyOutcome,
+        d: &mut Delta,
+        guard: &'g Guard,
+    ) {
+        // Where the walk last stood on a place it holds (or the start): a child reached from
+        // there that dies before the worker joins it sends the walk back.
+        let mut anchor = (run, off);
+        let mut i = 0;
+        while i < blocks.len() {
+            let pos = run.start + off;
+            if pos >= self.cfg.max_depth {
+                out.too_deep += w.beyond.add(&blocks[i..]);
+                return;
+            }
+            let room = (self.cfg.max_depth - pos) as usize;
+            let chunk = &blocks[i..blocks.len().min(i + room)];
+            let hashes = run.hashes(guard);
+            let m =
+                hashes.get(off as usize..).map_or(0, |h| h.iter().zip(chunk).take_while(|(a, b)| **a == b.tokens_hash.0).count());
+            if m > 0 {
+                let meta = run.meta.lock();
+                match self.place_locked(w, run, meta, off, &chunk[..m], out, d, guard) {
+                    Ok(()) => {
+                        i += m;
+                        off += m as u32;
+                        anchor = (run, off);
+                    }
+                    Err(Dead) => (run, off) = anchor,
+                }
+                continue;
+            }
+            let head = chunk[0].tokens_hash.0;
+            if let Some(c) = run.child(off, head, self.seed, guard) {
+                (run, off) = (c, 0);
+                continue;
+            }
+            let mut meta = run.meta.lock();
+            if meta.dead {
+                drop(meta);
+                (run, off) = anchor;
+                continue;
+            }
+            // Another writer may have appended or linked the same block since the look above.
+            let hashes = run.hashes(guard);
+            if hashes.get(off as usize) == Some(&head) {
+                continue;
+            }
+            if let Some(c) = run.child(off, head, self.seed, guard) {
+                drop(meta);
+                (run, off) = (c, 0);
+                continue;
+            }
+            let dense = matches!(run.cover(guard), Cover::Dense(_));
+            if run.id != ROOT && off as usize == hashes.len() && !dense {
+                self.append_locked(run, chunk, guard);
+                d.blocks += chunk.len() as i64;
+                match self.place_locked(w, run, meta, off, chunk, out, d, guard) {
+                    Ok(()) => {}
+                    Err(Dead) => unreachable!("the run was locked and alive when the blocks were appended"),
+                }
+            } else {
+                let Some(c) = self.open_child(run, off, chunk, guard) else {
+                    // Every run id is taken: the blocks cannot be placed.
+                    out.unplaceable += (blocks.len() - i) as u64;
+                    return;
+                };
+                // The child is locked before it is linked, so it is joined before anyone can
+                // reach it; the parent's lock goes first.
+                let child_meta = c.meta.lock();
+                self.link_child(run, &mut meta, c, head, guard);
+                drop(meta);
+                d.blocks += chunk.len() as i64;
+                match self.place_locked(w, c, child_meta, 0, chunk, out, d, guard) {
+                    Ok(()) => {}
+                    Err(Dead) => unreachable!("a new run is joined before it is reachable"),
+                }
+                run = c;
+                off = 0;
+            }
+            i += chunk.len();
+            off += chunk.len() as u32;
+            anchor = (run, off);
+        }
+    }
+
+    /// Appends `blocks`' hashes to `run` (locked), growing its array if it is full.
+    fn append_locked(&self, run: &Run, blocks: &[StoredBlock], guard: &Guard) {
+        let locals = blocks.iter().map(|b| b.tokens_hash.0);
+        // SAFETY: the run is locked: its array is not replaced meanwhile.
+        let cur = unsafe { run.hashes.load(Ordering::Relaxed, guard).deref() };
+        if cur.len() + blocks.len() <= cur.capacity() {
+            cur.append(locals);
+            return;
+        }
+        let want = cur.len() + blocks.len();
+        let grown = cur.grown(want.max(cur.capacity() * 2));
+        grown.append(locals);
+        let old = run.hashes.swap(Owned::new(grown), Ordering::AcqRel, guard);
+        // SAFETY: unpublished by the swap; lookups still reading it are waited for.
+        unsafe { guard.defer_destroy(old) };
+    }
+
+    /// A new run of `blocks` diverging from `run` (locked) after `off` of its blocks, not yet
+    /// linked; `None` when every run id is taken.
+    fn open_child<'g>(&self, run: &Run, off: u32, blocks: &[StoredBlock], guard: &'g Guard) -> Option<&'g Run> {
+        let id = self.slab.alloc_id()?;
+        let c = Run::new(id, run.id, run.start + off, off, Some(new_hashes(blocks)));
+        Some(self.slab.publish(Box::new(c), guard))
+    }
+
+    /// Links `child` under `run` (locked), growing its child table when needed.
+    fn link_child(&self, run: &Run, meta: &mut Meta, child: &Run, head: u64, guard: &Guard) {
+        let cur = run.children.load(Ordering::Relaxed, guard);
+        // SAFETY: the run is locked: its table is not replaced meanwhile.
+        let full = unsafe { cur.as_ref() }.is_none_or(|t| (meta.kids + meta.tombs + 1) as usize * 4 > t.capacity() * 3);
+        if full {
+            let cap = ((meta.kids as usize + 1) * 2).max(2);
+            let table = match unsafe { cur.as_ref() } {
+                Some(t) => t.rebuilt(cap, self.seed),
+                None => Children::new(cap),
+            };
+            let old = run.children.swap(Owned::new(table), Ordering::AcqRel, guard);
+            meta.tombs = 0;
+            if !old.is_null() {
+                // SAFETY: unpublished by the swap; lookups still reading it are waited for.
+                unsafe { guard.defer_destroy(old) };
+            }
+        }
+        // SAFETY: the run is locked and its table was just made non-null.
+        unsafe { run.children.load(Ordering::Relaxed, guard).deref() }.insert(child, head, self.seed);
+        meta.kids += 1;
+    }
+
+    /// The worker holds `blocks` at offsets `off..` of `run`, whose lock `meta` is: its map
+    /// learns each block's place, its state in the run grows, its coverage word follows.
+    #[allow(clippy::too_many_arguments)]
+    fn place_locked(
+        &self,
+        w: &mut RunWriter,
+        run: &Run,
+        mut meta: MutexGuard<'_, Meta>,
+        off: u32,
+        blocks: &[StoredBlock],
+        out: &mut ApplyOutcome,
+        d: &mut Delta,
+        guard: &Guard,
+    ) -> Result<(), Dead> {
+        if meta.dead {
+            return Err(Dead);
+        }
+        let key = u64::from(run.id);
+        let before = w.runs.get(key).copied();
+        let mine0 = before.unwrap_or_default();
+        let hidden = w.hidden.get(&run.id);
+        w.blocks.reserve(blocks.len());
+        let mut aliases = Vec::new();
+        for (j, b) in blocks.iter().enumerate() {
+            if let Some(ahead) = blocks.get(j + AHEAD) {
+                w.blocks.prefetch(ahead.block_hash.0);
+            }
+            let x = off + j as u32;
+            let p = place(run.id, x);
+            match w.blocks.insert(b.block_hash.0, p) {
+                None => {
+                    d.placements += 1;
+                    out.stored += 1;
+                    if mine0.holds(x, hidden) {
+                        aliases.push(p);
+                    }
+                }
+                Some(old) if old == p => out.duplicates += 1,
+                Some(old) => {
+                    out.replaced += 1;
+                    out.stored += 1;
+                    w.moved.push(old);
+                    if mine0.holds(x, hidden) {
+                        aliases.push(p);
+                    }
+                }
+            }
+        }
+        for p in aliases {
+            w.alias_add(p);
+        }
+        let mut mine = mine0;
+        let end = off + blocks.len() as u32;
+        if !mine.try_extend(off, end) {
+            let h = w.hidden.entry(run.id).or_default();
+            mine.add(off, end, h);
+            if h.is_empty() {
+                w.hidden.remove(&run.id);
+            }
+        }
+        d.hidden += i64::from(mine.hidden) - i64::from(mine0.hidden);
+        self.publish_cut(w.slot, run, &mut meta, mine0.cut, &mut mine, guard);
+        if before.is_none() {
+            meta.holders += 1;
+        }
+        w.runs.insert(key, mine);
+        Ok(())
+    }
+
+    /// Writes the worker's cutoff in `run` (locked) going from `from` to `mine.cut`: joins the
+    /// coverage, changes its word, or leaves; changes the coverage's form or size when due.
+    fn publish_cut(&self, slot: Slot, run: &Run, meta: &mut Meta, from: u32, mine: &mut Mine, guard: &Guard) {
+        let to = mine.cut;
+        if from == to {
+            return;
+        }
+        meta.covered = meta.covered + u32::from(from == 0) - u32::from(to == 0);
+        // SAFETY: the run is locked: its coverage is not replaced meanwhile.
+        let cover = unsafe { run.cover.load(Ordering::Relaxed, guard).deref() };
+        let replace = |c: Cover| {
+            let old = run.cover.swap(Owned::new(c), Ordering::AcqRel, guard);
+            // SAFETY: unpublished by the swap; lookups still reading it are waited for.
+            unsafe { guard.defer_destroy(old) };
+        };
+        let width = self.registry.high_water() as usize;
+        match cover {
+            Cover::Dense(d) => {
+                if slot as usize >= d.width() {
+                    let wide = d.widened(width.max(slot as usize + 1));
+                    wide.set(slot, from, to);
+                    replace(Cover::Dense(wide));
+                } else {
+                    d.set(slot, from, to);
+                }
+                if meta.covered < DENSE_AT / 2 {
+                    meta.vacated = 0;
+                    // SAFETY: as above; just published.
+                    let d = match unsafe { run.cover.load(Ordering::Relaxed, guard).deref() } {
+                        Cover::Dense(d) => d,
+                        Cover::List(_) => return,
+                    };
+                    replace(Cover::List(d.to_list(2)));
+                }
+            }
+            Cover::List(l) => {
+                if from == 0 {
+                    if meta.covered >= DENSE_AT && meta.covered as usize * 16 >= width {
+                        let len = run.hashes(guard).len() as u32;
+                        let d = Dense::from_list(l, len, width.max(slot as usize + 1));
+                        d.set(slot, 0, to);
+                        meta.vacated = 0;
+                        replace(Cover::Dense(d));
+                    } else if let Some((i, reused)) = l.join(slot, to, meta.vacated > 0) {
+                        meta.vacated -= u32::from(reused);
+                        mine.hint = i as u32;
+                    } else {
+                        let grown = l.grown(l.capacity().max(2));
+                        let (i, _) = grown.join(slot, to, false).unwrap_or((0, false));
+                        mine.hint = i as u32;
+                        meta.vacated = 0;
+                        replace(Cover::List(grown));
+                    }
+                    return;
+                }
+                let Some(i) = l.find(slot, mine.hint as usize) else {
+                    debug_assert!(false, "a worker with a cutoff has a coverage word");
+                    return;
+                };
+                mine.hint = i as u32;
+                if to > 0 {
+                    l.set(i, slot, to);
+                    return;
+                }
+                l.vacate(i);
+                meta.vacated += 1;
+                // A list mostly vacated is compacted, so lookups do not read dead words.
+                if meta.vacated as usize * 2 > l.used() && l.used() > 4 {
+                    meta.vacated = 0;
+                    replace(Cover::List(l.grown(0)));
+                }
+            }
+        }
+    }
+
+    /// Lets go of the places the last store moved engine hashes away from.
+    fn let_go_moved(&self, w: &mut RunWriter, d: &mut Delta, guard: &Guard) {
+        if w.moved.is_empty() {
+            return;
+        }
+        let mut moved = std::mem::take(&mut w.moved);
+        let mut batch = None;
+        for &p in &moved {
+            self.let_go(w, p, &mut batch, d, guard);
+        }
+        self.flush(w, batch, d, guard);
+        moved.clear();
+        w.moved = moved;
+    }
+
+    pub(super) fn remove_blocks(&self, w: &mut RunWriter, hashes: &[BlockHash]) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let guard = epoch::pin();
+        let mut d = Delta::default();
+        let mut batch = None;
+        for (i, h) in hashes.iter().enumerate() {
+            if let Some(ahead) = hashes.get(i + AHEAD) {
+                w.blocks.prefetch(ahead.0);
+            }
+            let was_beyond = w.beyond.forget(*h);
+            match w.blocks.remove(h.0) {
+                Some(p) => {
+                    out.removed += 1;
+                    d.placements -= 1;
+                    self.let_go(w, p, &mut batch, &mut d, &guard);
+                }
+                None if was_beyond => {}
+                None => out.unknown_removes += 1,
+            }
+        }
+        self.flush(w, batch, &mut d, &guard);
+        self.commit(&d);
+        out
+    }
+
+    /// The worker no longer holds place `p` under one engine hash: unless another hash holds it
+    /// too, it leaves the place. Consecutive places of one run are gathered in `batch`, whose
+    /// coverage word is written once.
+    fn let_go(&self, w: &mut RunWriter, p: Place, batch: &mut Option<Batch>, d: &mut Delta, guard: &Guard) {
+        if w.alias_drop(p) {
+            return;
+        }
+        let (run, x) = unplace(p);
+        if batch.as_ref().is_none_or(|b| b.run != run) {
+            self.flush(w, batch.take(), d, guard);
+            let Some(&mine) = w.runs.get(u64::from(run)) else {
+                debug_assert!(false, "a held place's run is in the writer's state");
+                return;
+            };
+            *batch = Some(Batch { run, before: mine, now: mine });
+        }
+        let Some(b) = batch.as_mut() else { return };
+        if !b.now.try_drop_last(x) {
+            let h = w.hidden.entry(run).or_default();
+            let was = b.now.hidden;
+            b.now.drop_offset(x, h);
+            d.hidden += i64::from(b.now.hidden) - i64::from(was);
+            if h.is_empty() {
+                w.hidden.remove(&run);
+            }
+        }
+    }
+
+    /// Writes a batch of removals' coverage word; a run the worker no longer holds anything
+    /// in loses it as a holder, and dies if no one else holds it and no child hangs off it.
+    fn flush(&self, w: &mut RunWriter, batch: Option<Batch>, d: &mut Delta, guard: &Guard) {
+        let Some(Batch { run, before, mut now }) = batch else { return };
+        let r = self.held_run(run, guard);
+        let mut meta = r.meta.lock();
+        self.publish_cut(w.slot, r, &mut meta, before.cut, &mut now, guard);
+        if now.is_empty() {
+            w.runs.remove(u64::from(run));
+            meta.holders -= 1;
+            if meta.holders == 0 && meta.kids == 0 {
+                self.kill(r, meta, d, guard);
+            }
+        } else {
+            w.runs.insert(u64::from(run), now);
+        }
+    }
+
+    /// Unlinks `run` (locked, held by no one, no children) and retires it; its parent follows
+    /// if that leaves it the same.
+    fn kill<'g>(&self, mut run: &'g Run, mut meta: MutexGuard<'g, Meta>, d: &mut Delta, guard: &'g Guard) {
+        loop {
+            if run.id == ROOT {
+                return;
+            }
+            meta.dead = true;
+            drop(meta);
+            let hashes = run.hashes(guard);
+            let head = hashes.first().copied().unwrap_or(0);
+            d.blocks -= hashes.len() as i64;
+            let parent = self.held_run(run.parent, guard);
+            let mut pm = parent.meta.lock();
+            // SAFETY: the parent is locked: its table is not replaced meanwhile.
+            if let Some(t) = unsafe { parent.children.load(Ordering::Relaxed, guard).as_ref() } {
+                if t.remove(run, head, self.seed) {
+                    pm.kids -= 1;
+                    pm.tombs += 1;
+                }
+            }
+            let p = self.slab.take(run.id);
+            // SAFETY: taken out of the slab and unlinked from its parent: no new reader can
+            // reach it, and the collector waits for those that did.
+            unsafe { guard.defer_destroy(Shared::from(p as *const Run)) };
+            if pm.holders != 0 || pm.kids != 0 {
+                return;
+            }
+            run = parent;
+            meta = pm;
+        }
+    }
+
+    pub(super) fn clear_worker(&self, w: &mut RunWriter) -> ApplyOutcome {
+        let guard = epoch::pin();
+        let mut d = Delta::default();
+        let removed = w.blocks.len() as u64;
+        d.placements -= removed as i64;
+        let runs: Vec<(u64, Mine)> = w.runs.iter().map(|(k, &m)| (k, m)).collect();
+        for (key, mine) in runs {
+            let r = self.held_run(key as RunId, &guard);
+            let mut meta = r.meta.lock();
+            let mut gone = Mine { cut: 0, hint: mine.hint, hidden: 0 };
+            d.hidden -= i64::from(mine.hidden);
+            self.publish_cut(w.slot, r, &mut meta, mine.cut, &mut gone, &guard);
+            meta.holders -= 1;
+            if meta.holders == 0 && meta.kids == 0 {
+                self.kill(r, meta, &mut d, &guard);
+            }
+        }
+        w.blocks = BlockMap::default();
+        w.runs = LinearMap::default();
+        w.hidden = SeededMap::default();
+        w.aliases = LinearMap::default();
+        w.beyond.clear();
+        self.commit(&d);
+        ApplyOutcome { removed, ..ApplyOutcome::default() }
+    }
+
+    /// The local hashes of the path from the root to `(run, x)`, that block included.
+    fn path_to<'g>(&self, mut run: &'g Run, mut x: u32, guard: &'g Guard) -> Vec<u64> {
+        let mut rev = Vec::new();
+        loop {
+            let h = run.hashes(guard);
+            rev.extend(h[..=x as usize].iter().rev());
+            if run.parent == ROOT || run.attach == 0 {
+                break;
+            }
+            x = run.attach - 1;
+            run = self.held_run(run.parent, guard);
+        }
+        rev.reverse();
+        rev
+    }
+
+    pub(super) fn save_worker(&self, w: &RunWriter) -> Saved {
+        let guard = epoch::pin();
+        // One engine hash per held place, to name a parent by.
+        let by_place: SeededMap<Place, u64> = w.blocks.iter().map(|(h, p)| (p, h)).collect();
+        let mut blocks: Vec<SavedBlock> = w
+            .blocks
+            .iter()
+            .map(|(hash, p)| {
+                let (id, x) = unplace(p);
+                let run = self.held_run(id, &guard);
+                let key = run.hashes(&guard)[x as usize];
+                let pos = run.start + x;
+                let parent_place = if x > 0 {
+                    Some((run, x - 1))
+                } else if run.parent != ROOT {
+                    Some((self.held_run(run.parent, &guard), run.attach - 1))
+                } else {
+                    None
+                };
+                let parent = match parent_place {
+                    None => SavedParent::Root,
+                    Some((r, px)) => match by_place.get(&place(r.id, px)) {
+                        Some(&h) => SavedParent::Block(h),
+                        None => SavedParent::Place(self.path_to(r, px, &guard)),
+                    },
+                };
+                SavedBlock { hash, pos, key, parent }
+            })
+            .collect();
+        blocks.sort_unstable_by_key(|b| (b.pos, b.hash));
+        Saved { blocks, beyond: w.beyond.to_vec() }
+    }
+
+    pub(super) fn restore_worker(&self, w: &mut RunWriter, saved: &Saved) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let guard = epoch::pin();
+        let mut d = Delta::default();
+        for b in &saved.blocks {
+            if b.pos >= self.cfg.max_depth {
+                out.too_deep += 1;
+                continue;
+            }
+            if w.blocks.get(b.hash).is_some() {
+                out.duplicates += 1;
+                continue;
+            }
+            let block = [StoredBlock::new(b.hash, b.key)];
+            let mut one = ApplyOutcome::default();
+            match &b.parent {
+                SavedParent::Root if b.pos == 0 => {
+                    self.walk_store(w, (self.root(&guard), 0), &block, &mut one, &mut d, &guard);
+                }
+                SavedParent::Block(ph) => match w.blocks.get(*ph) {
+                    Some(p) => {
+                        let (id, x) = unplace(p);
+                        let run = self.held_run(id, &guard);
+                        if run.start + x + 1 == b.pos {
+                            self.walk_store(w, (run, x + 1), &block, &mut one, &mut d, &guard);
+                        } else {
+                            one.unplaceable += 1;
+                        }
+                    }
+                    None => one.unplaceable += 1,
+                },
+                SavedParent::Place(path) if path.len() == b.pos as usize => {
+                    self.store_under_path(w, path, &block, &mut one, &mut d, &guard);
+                }
+                _ => one.unplaceable += 1,
+            }
+            out.stored += one.stored;
+            out.duplicates += one.duplicates;
+            out.unplaceable += one.unplaceable;
+            out.too_deep += one.too_deep;
+        }
+        w.beyond.extend(&saved.beyond);
+        self.let_go_moved(w, &mut d, &guard);
+        self.commit(&d);
+        out
+    }
+
+    /// Stores `blocks` after a path of local hashes the worker does not hold (a block saved
+    /// past a hole): the path's runs are found or opened without holders, then the blocks
+    /// are placed after them, which keeps them alive.
+    fn store_under_path(
+        &self,
+        w: &mut RunWriter,
+        path: &[u64],
+        blocks: &[StoredBlock],
+        out: &mut ApplyOutcome,
+        d: &mut Delta,
+        guard: &Guard,
+    ) {
+        loop {
+            let Some((run, off)) = self.open_path(path, d, guard) else {
+                out.unplaceable += blocks.len() as u64;
+                return;
+            };
+            // The path's last run is kept alive only by what is placed after it: it counts the
+            // walk as a holder until the blocks are placed.
+            let mut meta = run.meta.lock();
+            if meta.dead {
+                continue;
+            }
+            meta.holders += 1;
+            drop(meta);
+            self.walk_store(w, (run, off), blocks, out, d, guard);
+            let mut meta = run.meta.lock();
+            meta.holders -= 1;
+            if meta.holders == 0 && meta.kids == 0 {
+                self.kill(run, meta, d, guard);
+            }
+            return;
+        }
+    }
+
+    /// Finds or opens the runs along `path` (no worker joins them): the place after it, or
+    /// `None` when every run id is taken.
+    fn open_path<'g>(&self, path: &[u64], d: &mut Delta, guard: &'g Guard) -> Option<(&'g Run, u32)> {
+        'again: loop {
+            let (mut run, mut off) = (self.root(guard), 0u32);
+            let mut i = 0;
+            while i < path.len() {
+                let m = run
+                    .hashes(guard)
+                    .get(off as usize..)
+                    .map_or(0, |h| h.iter().zip(&path[i..]).take_while(|(a, b)| a == b).count());
+                if m > 0 {
+                    i += m;
+                    off += m as u32;
+                    continue;
+                }
+                if let Some(c) = run.child(off, path[i], self.seed, guard) {
+                    (run, off) = (c, 0);
+                    continue;
+                }
+                let mut meta = run.meta.lock();
+                if meta.dead {
+                    continue 'again;
+                }
+                if run.child(off, path[i], self.seed, guard).is_some() || run.hashes(guard).get(off as usize) == Some(&path[i]) {
+                    continue;
+                }
+                let rest: Vec<StoredBlock> = path[i..].iter().map(|&l| StoredBlock::new(0, l)).collect();
+                let c = self.open_child(run, off, &rest, guard)?;
+                self.link_child(run, &mut meta, c, path[i], guard);
+                d.blocks += rest.len() as i64;
+                return Some((c, rest.len() as u32));
+            }
+            return Some((run, off));
+        }
+    }
+}
