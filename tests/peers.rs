@@ -1,6 +1,6 @@
-//! smg's indexes behind the bench's adapters (`--features peers`), checked against the
-//! reference model on a replay of the real trace: the adapters convert faithfully, and each
-//! peer is as exact as it claims. In a file of their own, so that their replays never run
+//! The peers' indexes behind the bench's adapters (`--features peers`: smg's and NVIDIA
+//! Dynamo's), checked against the reference model on a replay of the real trace: the adapters
+//! convert faithfully, and each peer is as exact as it claims (or as its design allows). In a file of their own, so that their replays never run
 //! beside the memory measurements of the other tests that include the tooling.
 #![cfg(feature = "peers")]
 
@@ -13,7 +13,8 @@ mod tools;
 use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::ReferenceIndex;
 use rustc_hash::FxHashMap;
-use tools::peers::{SmgChain, SmgPositional};
+use kvindex_core::RunIndex;
+use tools::peers::{DynamoCrtc, DynamoPositional, SmgChain, SmgPositional};
 use tools::stream::Op;
 use tools::trace::{read_trace_file, MockConfig, MockEngine};
 
@@ -65,4 +66,20 @@ fn smg_positional_overcounts_with_holes() {
     let (lookups, differ) = disagreements(SmgPositional::new(64), 0.5);
     eprintln!("smg-positional with holes: {differ} of {lookups} answers differ from the reference");
     assert!(differ > 0);
+}
+
+#[test]
+fn dynamo_peers_answer_exactly_on_prefix_closed_caches() {
+    let (lookups, differ) = disagreements(DynamoCrtc::new(1, 64), 0.0);
+    assert!(lookups > 2000);
+    assert_eq!(differ, 0);
+    assert_eq!(disagreements(DynamoPositional::new(64, 64), 0.0), (lookups, 0));
+}
+
+#[test]
+fn dynamo_positional_overcounts_with_holes_and_the_run_index_does_not() {
+    let (lookups, differ) = disagreements(DynamoPositional::new(64, 64), 0.5);
+    eprintln!("dynamo-positional with holes: {differ} of {lookups} answers differ from the reference");
+    assert!(differ > 0);
+    assert_eq!(disagreements(RunIndex::default(), 0.5), (lookups, 0));
 }

@@ -179,6 +179,12 @@ pub enum Indexer {
     /// smg's `ChainIndex` (`kv-index` 2.0.0).
     #[cfg(feature = "peers")]
     SmgChain,
+    /// Dynamo's `ConcurrentRadixTreeCompressed` in its `ThreadPoolIndexer` (`dynamo-kv-router` 1.6.1).
+    #[cfg(feature = "peers")]
+    DynamoCrtc,
+    /// Dynamo's `PositionalIndexer` (`dynamo-kv-router` 1.6.1).
+    #[cfg(feature = "peers")]
+    DynamoPositional,
 }
 
 impl std::str::FromStr for Indexer {
@@ -190,34 +196,47 @@ impl std::str::FromStr for Indexer {
             "smg-positional" => Ok(Indexer::SmgPositional),
             #[cfg(feature = "peers")]
             "smg-chain" => Ok(Indexer::SmgChain),
+            #[cfg(feature = "peers")]
+            "dynamo-crtc" => Ok(Indexer::DynamoCrtc),
+            #[cfg(feature = "peers")]
+            "dynamo-positional" => Ok(Indexer::DynamoPositional),
             #[cfg(not(feature = "peers"))]
-            "smg-positional" | "smg-chain" => {
+            "smg-positional" | "smg-chain" | "dynamo-crtc" | "dynamo-positional" => {
                 Err(format!("{s} needs the peers built in: cargo run --release --features peers -- bench ..."))
             }
-            _ => s.parse().map(Indexer::Kvindex).map_err(|e| format!("{e}, smg-positional, smg-chain")),
+            _ => s
+                .parse()
+                .map(Indexer::Kvindex)
+                .map_err(|e| format!("{e}, smg-positional, smg-chain, dynamo-crtc, dynamo-positional")),
         }
     }
 }
 
-/// Builds an indexer and runs `f` on it.
+/// Builds an indexer and runs `f` on it. `f` makes each index with the number of threads that
+/// will write to it (an index that applies writes on threads of its own, Dynamo's thread pool,
+/// starts as many).
 pub fn with_backend<R>(indexer: Indexer, jump: usize, f: impl FnOnceIndex<R>) -> R {
     let max_depth = PositionalConfig::default().max_depth;
     let max_workers = PositionalConfig::default().max_workers;
     match indexer {
-        Indexer::Kvindex(Backend::Runs) => f.call(|| RunIndex::new(RunConfig { max_depth, max_workers })),
-        Indexer::Kvindex(Backend::Positional) => f.call(|| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
-        Indexer::Kvindex(Backend::Radix) => f.call(|| RadixIndex::new(max_depth, max_workers)),
-        Indexer::Kvindex(Backend::Reference) => f.call(|| ReferenceIndex::new(max_depth, max_workers)),
+        Indexer::Kvindex(Backend::Runs) => f.call(|_| RunIndex::new(RunConfig { max_depth, max_workers })),
+        Indexer::Kvindex(Backend::Positional) => f.call(|_| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
+        Indexer::Kvindex(Backend::Radix) => f.call(|_| RadixIndex::new(max_depth, max_workers)),
+        Indexer::Kvindex(Backend::Reference) => f.call(|_| ReferenceIndex::new(max_depth, max_workers)),
         #[cfg(feature = "peers")]
-        Indexer::SmgPositional => f.call(|| crate::tools::peers::SmgPositional::new(max_workers)),
+        Indexer::SmgPositional => f.call(|_| crate::tools::peers::SmgPositional::new(max_workers)),
         #[cfg(feature = "peers")]
-        Indexer::SmgChain => f.call(|| crate::tools::peers::SmgChain::new(max_workers)),
+        Indexer::SmgChain => f.call(|_| crate::tools::peers::SmgChain::new(max_workers)),
+        #[cfg(feature = "peers")]
+        Indexer::DynamoCrtc => f.call(|threads| crate::tools::peers::DynamoCrtc::new(threads, max_workers)),
+        #[cfg(feature = "peers")]
+        Indexer::DynamoPositional => f.call(|_| crate::tools::peers::DynamoPositional::new(jump, max_workers)),
     }
 }
 
 /// A computation generic over the index type (a closure cannot be generic).
 pub trait FnOnceIndex<R> {
-    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> R;
+    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> R;
 }
 
 /// Applies one event through a writer map owned by the caller.
@@ -238,10 +257,10 @@ struct RunAll<'a> {
 }
 
 impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
-    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> Vec<BenchResult> {
+    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> Vec<BenchResult> {
         let (wl, cfg) = (self.wl, self.cfg);
         let mut rows = Vec::new();
-        let name = make().name().to_string();
+        let name = make(1).name().to_string();
         let row =
             |mode: &str, threads: String| BenchResult { backend: name.clone(), mode: mode.into(), threads, ..Default::default() };
         let one = || "1".to_string();
@@ -251,7 +270,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
         if needs_state {
             let base = alloc::live_bytes();
             alloc::reset_peak();
-            let index = make();
+            let index = make(1);
             let mut writers = FxHashMap::default();
             let mut lat = histogram();
             let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} sequential"));
@@ -322,7 +341,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
         }
 
         if cfg.modes.contains(&Mode::Events) {
-            let index = make();
+            let index = make(1);
             let mut writers = FxHashMap::default();
             let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} events"));
             let start = Instant::now();
@@ -346,7 +365,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
         }
 
         if cfg.modes.contains(&Mode::Lookups) {
-            let index = make();
+            let index = make(1);
             let mut writers = FxHashMap::default();
             let mut lat = histogram();
             let mut busy = Duration::ZERO;
@@ -382,7 +401,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
         }
 
         if cfg.modes.contains(&Mode::Concurrent) {
-            rows.push(concurrent(make(), wl, cfg, row("concurrent", format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads))));
+            rows.push(concurrent(make(cfg.apply_threads), wl, cfg, row("concurrent", format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads))));
         }
         rows
     }
@@ -428,6 +447,7 @@ fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: B
             }
         }
         pool.flush();
+        index.settle();
         let secs = start.elapsed().as_secs_f64();
         done.store(true, Ordering::Relaxed);
         let hists: Vec<Histogram<u64>> = readers.into_iter().filter_map(|r| r.join().ok()).collect();
@@ -512,12 +532,12 @@ struct Sweep<'a> {
 }
 
 impl FnOnceIndex<Vec<SweepPoint>> for Sweep<'_> {
-    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> Vec<SweepPoint> {
+    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> Vec<SweepPoint> {
         let span_ms = self.ts.last().copied().unwrap_or(0).max(1) as f64;
         let opts = MatchOptions::default();
         let mut out = Vec::new();
         for &s in self.speedups {
-            let index = make();
+            let index = make(1);
             let mut writers = FxHashMap::default();
             let mut lag = histogram();
             let pb = progress(self.progress, self.wl.ops.len() as u64, format!("{} sweep x{s}", index.name()));
@@ -586,9 +606,10 @@ fn si(x: f64) -> String {
 pub fn table(rows: &[BenchResult]) -> String {
     let ratios = rows.iter().any(|r| r.vs_first.is_some());
     let width = rows.iter().filter_map(|r| r.stream.as_ref()).map(|n| n.len()).max();
+    let bw = rows.iter().map(|r| r.backend.len()).max().unwrap_or(0).max(14);
     let mut s = width.map_or(String::new(), |w| format!("{:<w$} ", "stream"));
     s += &format!(
-        "{:<14} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
+        "{:<bw$} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
         "backend", "mode", "threads", "seconds", "block ops/s", "lookups/s", "p50 us", "p99 us", "p999 us", "B/place", "peak MiB"
     );
     if ratios {
@@ -668,10 +689,10 @@ struct Churn<'a> {
 }
 
 impl FnOnceIndex<Vec<ChurnPoint>> for Churn<'_> {
-    fn call<I: KvIndex>(self, make: impl Fn() -> I) -> Vec<ChurnPoint> {
+    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> Vec<ChurnPoint> {
         let mut engine = MockEngine::new(self.mock);
         let base = alloc::live_bytes();
-        let index = make();
+        let index = make(1);
         let mut writers = FxHashMap::default();
         let name = index.name().to_string();
         // Only the bytes allocated while applying count: the engine and the ops are outside.

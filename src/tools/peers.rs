@@ -1,6 +1,6 @@
 //! Peers' indexes behind [`KvIndex`], so `kvindex bench` replays them beside kvindex's own
 //! backends in one run (built with `--features peers`). smg's `kv-index` crate, as published:
-//! 1.4.0's `PositionalIndexer` (the Flash Indexer port issue 13 measured) and 2.0.0's
+//! 1.4.0's `PositionalIndexer` (a port of the Flash Indexer design) and 2.0.0's
 //! `ChainIndex` (smg's current index). Each adapter only converts types at the edge; what it
 //! cannot express (snapshots, depth limits, per-block outcomes) is said where it happens.
 
@@ -8,7 +8,7 @@ use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::{order_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
 use kvindex_core::workers::{RegistryError, WorkerRegistry};
 use parking_lot::RwLock;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 /// Workers by the peer's own id, so its scores can be named as kvindex names workers.
 #[derive(Default)]
@@ -200,5 +200,301 @@ impl SmgChain {
     /// The peer's answer through its allocation-free walk.
     fn scores(&self, query: &[LocalHash], report: impl FnMut(u32, u32)) {
         self.index.score_into(query, |h| h.0, false, report);
+    }
+}
+
+/// NVIDIA Dynamo's indexes (`dynamo-kv-router` 1.6.1): its events, converted from kvindex's.
+mod dynamo {
+    use super::*;
+    pub(super) use dynamo_kv_router::indexer::positional::{LevelIndex, PositionalIndexer};
+    pub(super) use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
+    pub(super) use dynamo_kv_router::protocols::{
+        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData, KvCacheStoredBlockData,
+        LocalBlockHash, OverlapScores, RouterEvent, WorkerWithDpRank,
+    };
+    pub(super) use dynamo_kv_router::ConcurrentRadixTreeCompressed;
+
+    thread_local! {
+        /// A lookup's local hashes in Dynamo's type, reused across lookups on a thread.
+        pub(super) static QUERY: RefCell<Vec<LocalBlockHash>> = const { RefCell::new(Vec::new()) };
+    }
+
+    /// A worker's event in Dynamo's terms.
+    pub(super) fn event(worker: WorkerId, event_id: u64, data: KvCacheEventData) -> RouterEvent {
+        RouterEvent::new(worker.worker_id, KvCacheEvent { event_id, data, dp_rank: worker.dp_rank })
+    }
+
+    pub(super) fn stored(parent: Option<BlockHash>, blocks: &[StoredBlock]) -> KvCacheEventData {
+        KvCacheEventData::Stored(KvCacheStoreData {
+            parent_hash: parent.map(|p| ExternalSequenceBlockHash(p.0)),
+            start_position: None,
+            blocks: blocks
+                .iter()
+                .map(|b| KvCacheStoredBlockData {
+                    block_hash: ExternalSequenceBlockHash(b.block_hash.0),
+                    tokens_hash: LocalBlockHash(b.tokens_hash.0),
+                    mm_extra_info: None,
+                })
+                .collect(),
+        })
+    }
+
+    pub(super) fn removed(hashes: &[BlockHash]) -> KvCacheEventData {
+        KvCacheEventData::Removed(KvCacheRemoveData {
+            block_hashes: hashes.iter().map(|h| ExternalSequenceBlockHash(h.0)).collect(),
+        })
+    }
+
+    /// The peer's answer for `query` in kvindex's order.
+    pub(super) fn answer(query: &[LocalHash], opts: &MatchOptions, find: impl FnOnce(&[LocalBlockHash]) -> OverlapScores) -> Vec<WorkerMatch> {
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        let scores = QUERY.with_borrow_mut(|q| {
+            q.clear();
+            q.extend(query[..n].iter().map(|h| LocalBlockHash(h.0)));
+            find(q)
+        });
+        let mut out: Vec<WorkerMatch> = scores
+            .scores
+            .into_iter()
+            .filter(|&(w, depth)| depth > 0 && opts.workers.as_ref().is_none_or(|f| f.contains(&w.worker_id)))
+            .map(|(w, depth)| WorkerMatch { worker: WorkerId::new(w.worker_id, w.dp_rank), blocks: depth })
+            .collect();
+        order_matches(&mut out, opts.max_matches);
+        out
+    }
+}
+
+thread_local! {
+    /// The Dynamo thread pool this thread enqueued events to since its last flush (its
+    /// address), so that its next lookup sees its own writes, as in a sequential replay, while
+    /// lookups from other threads do not wait.
+    static UNFLUSHED: Cell<usize> = const { Cell::new(0) };
+}
+
+/// A worker's write state for Dynamo's indexes: its next event id, and (for the positional
+/// indexer, which the caller drives) its block map.
+pub struct DynamoWriter {
+    /// kvindex's name for the worker.
+    id: WorkerId,
+    /// The id its next event gets.
+    next_event: u64,
+    /// Its blocks as Dynamo's positional indexer keeps them (empty for the radix tree, whose
+    /// pool threads keep theirs).
+    blocks: rustc_hash::FxHashMap<dynamo::WorkerWithDpRank, dynamo::LevelIndex>,
+}
+
+impl DynamoWriter {
+    fn new(id: WorkerId) -> Self {
+        DynamoWriter { id, next_event: 0, blocks: Default::default() }
+    }
+
+    fn event(&mut self, data: dynamo::KvCacheEventData) -> dynamo::RouterEvent {
+        self.next_event += 1;
+        dynamo::event(self.id, self.next_event, data)
+    }
+
+    fn held(&self) -> i64 {
+        self.blocks.values().map(|m| m.len() as i64).sum()
+    }
+}
+
+/// Dynamo's production default: the compressed concurrent radix tree behind its thread pool,
+/// as its router runs it. Events go to the pool's threads (each worker to one); lookups run on
+/// the caller's thread. A thread's lookup first waits for the events it enqueued.
+pub struct DynamoCrtc {
+    /// The pool and the tree it owns.
+    pool: dynamo::ThreadPoolIndexer<dynamo::ConcurrentRadixTreeCompressed>,
+    /// kvindex's registry, for the slot bound every backend shares.
+    registry: WorkerRegistry,
+}
+
+impl DynamoCrtc {
+    /// The tree behind a pool of `threads` event threads.
+    pub fn new(threads: usize, max_workers: u32) -> Self {
+        DynamoCrtc {
+            pool: dynamo::ThreadPoolIndexer::new(dynamo::ConcurrentRadixTreeCompressed::new(), threads.max(1), 16),
+            registry: WorkerRegistry::new(max_workers),
+        }
+    }
+
+    fn key(&self) -> usize {
+        &self.pool as *const _ as usize
+    }
+
+    fn enqueue(&self, ev: dynamo::RouterEvent) {
+        if self.pool.enqueue_event(ev).is_ok() {
+            UNFLUSHED.set(self.key());
+        }
+    }
+}
+
+impl KvIndex for DynamoCrtc {
+    type Writer = DynamoWriter;
+
+    fn name(&self) -> &'static str {
+        "dynamo-crtc"
+    }
+
+    fn registry(&self) -> &WorkerRegistry {
+        &self.registry
+    }
+
+    fn writer(&self, worker: WorkerId) -> Result<DynamoWriter, IndexError> {
+        self.registry.intern(worker)?;
+        Ok(DynamoWriter::new(worker))
+    }
+
+    fn worker_id(w: &DynamoWriter) -> WorkerId {
+        w.id
+    }
+
+    /// Blocks the peer is given count as stored: it reports no outcome per block.
+    fn store(&self, w: &mut DynamoWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
+        let ev = w.event(dynamo::stored(parent, blocks));
+        self.enqueue(ev);
+        ApplyOutcome { stored: blocks.len() as u64, ..Default::default() }
+    }
+
+    fn remove(&self, w: &mut DynamoWriter, hashes: &[BlockHash]) -> ApplyOutcome {
+        let ev = w.event(dynamo::removed(hashes));
+        self.enqueue(ev);
+        ApplyOutcome { removed: hashes.len() as u64, ..Default::default() }
+    }
+
+    fn clear(&self, w: &mut DynamoWriter) -> ApplyOutcome {
+        let ev = w.event(dynamo::KvCacheEventData::Cleared);
+        self.enqueue(ev);
+        ApplyOutcome::default()
+    }
+
+    fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
+        if UNFLUSHED.get() == self.key() {
+            self.settle();
+        }
+        dynamo::answer(query, opts, |q| dynamo::SyncIndexer::find_matches(self.pool.backend(), q, false))
+    }
+
+    fn settle(&self) {
+        if futures::executor::block_on(self.pool.flush_and_wait()).is_ok() {
+            UNFLUSHED.set(0);
+        }
+    }
+
+    fn stats(&self) -> IndexStats {
+        self.settle();
+        let shards = futures::executor::block_on(dynamo_kv_router::indexer::KvIndexerInterface::shard_sizes(&self.pool));
+        IndexStats {
+            placements: shards.iter().map(|s| s.block_count as u64).sum(),
+            entries: shards.iter().map(|s| s.node_count as u64).sum(),
+            workers: self.registry.len() as u64,
+            hidden: 0,
+        }
+    }
+
+    /// The peer keeps no snapshots; `kvindex bench` never takes one.
+    fn save(&self, _: &DynamoWriter) -> Saved {
+        Saved::default()
+    }
+
+    /// Nothing saved, so nothing to place: every block counts as unplaceable.
+    fn restore(&self, _: &mut DynamoWriter, saved: &Saved) -> ApplyOutcome {
+        ApplyOutcome { unplaceable: saved.blocks.len() as u64, ..Default::default() }
+    }
+}
+
+/// Dynamo's positional indexer (the Flash Indexer): a `(position, local hash)` table with jump
+/// search, driven directly on the caller's thread with the worker's block map, as Dynamo's
+/// pool threads drive it.
+pub struct DynamoPositional {
+    /// The peer's index.
+    index: dynamo::PositionalIndexer,
+    /// kvindex's registry, for the slot bound every backend shares.
+    registry: WorkerRegistry,
+    /// Placements: the writers' block maps' sizes (the index does not count them).
+    placements: std::sync::atomic::AtomicI64,
+}
+
+impl DynamoPositional {
+    /// An empty index probing every `jump` positions.
+    pub fn new(jump: usize, max_workers: u32) -> Self {
+        DynamoPositional {
+            index: dynamo::PositionalIndexer::new_with_mode(jump.max(1), dynamo_kv_router::indexer::positional::SearchMode::Strided),
+            registry: WorkerRegistry::new(max_workers),
+            placements: Default::default(),
+        }
+    }
+
+    fn apply(&self, w: &mut DynamoWriter, data: dynamo::KvCacheEventData) -> bool {
+        let before = w.held();
+        let ev = w.event(data);
+        let ok = self.index.apply_event(&mut w.blocks, ev, None).is_ok();
+        self.placements.fetch_add(w.held() - before, std::sync::atomic::Ordering::Relaxed);
+        ok
+    }
+}
+
+impl KvIndex for DynamoPositional {
+    type Writer = DynamoWriter;
+
+    fn name(&self) -> &'static str {
+        "dynamo-positional"
+    }
+
+    fn registry(&self) -> &WorkerRegistry {
+        &self.registry
+    }
+
+    fn writer(&self, worker: WorkerId) -> Result<DynamoWriter, IndexError> {
+        self.registry.intern(worker)?;
+        Ok(DynamoWriter::new(worker))
+    }
+
+    fn worker_id(w: &DynamoWriter) -> WorkerId {
+        w.id
+    }
+
+    /// Blocks the peer places count as stored: it reports no duplicates or depth limit.
+    fn store(&self, w: &mut DynamoWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
+        let n = blocks.len() as u64;
+        if self.apply(w, dynamo::stored(parent, blocks)) {
+            ApplyOutcome { stored: n, ..Default::default() }
+        } else {
+            ApplyOutcome { unplaceable: n, ..Default::default() }
+        }
+    }
+
+    /// Every hash counts as removed: the peer does not say which it held.
+    fn remove(&self, w: &mut DynamoWriter, hashes: &[BlockHash]) -> ApplyOutcome {
+        self.apply(w, dynamo::removed(hashes));
+        ApplyOutcome { removed: hashes.len() as u64, ..Default::default() }
+    }
+
+    fn clear(&self, w: &mut DynamoWriter) -> ApplyOutcome {
+        let removed = w.held() as u64;
+        self.apply(w, dynamo::KvCacheEventData::Cleared);
+        ApplyOutcome { removed, ..Default::default() }
+    }
+
+    fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
+        dynamo::answer(query, opts, |q| dynamo::SyncIndexer::find_matches(&self.index, q, false))
+    }
+
+    fn stats(&self) -> IndexStats {
+        IndexStats {
+            placements: self.placements.load(std::sync::atomic::Ordering::Relaxed).max(0) as u64,
+            entries: 0,
+            workers: self.registry.len() as u64,
+            hidden: 0,
+        }
+    }
+
+    /// The peer keeps no snapshots; `kvindex bench` never takes one.
+    fn save(&self, _: &DynamoWriter) -> Saved {
+        Saved::default()
+    }
+
+    /// Nothing saved, so nothing to place: every block counts as unplaceable.
+    fn restore(&self, _: &mut DynamoWriter, saved: &Saved) -> ApplyOutcome {
+        ApplyOutcome { unplaceable: saved.blocks.len() as u64, ..Default::default() }
     }
 }

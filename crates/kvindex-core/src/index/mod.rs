@@ -180,6 +180,11 @@ pub trait KvIndex: Send + Sync + 'static {
     /// depth, deepest first (ties by worker id).
     fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch>;
 
+    /// Returns once every write accepted so far is applied. The backends here apply a write
+    /// on the caller's thread before returning, so there is nothing to wait for; an adapter of
+    /// an index that applies writes on threads of its own (a peer in the benchmarks) waits.
+    fn settle(&self) {}
+
     /// Current size.
     fn stats(&self) -> IndexStats;
 
