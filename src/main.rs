@@ -246,7 +246,7 @@ struct ServeArgs {
     /// Seconds of silence after which a worker is dropped, 0 for never [KVINDEX_WORKER_TTL].
     #[arg(long)]
     worker_ttl: Option<u64>,
-    /// Index backend: positional or radix [KVINDEX_BACKEND].
+    /// Index backend: runs (the default) or positional [KVINDEX_BACKEND].
     #[arg(long)]
     backend: Option<Backend>,
 }

@@ -10,8 +10,8 @@ mod tools;
 use kvindex::apply::{ApplyPool, OnApplied};
 use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::Event;
 use std::collections::HashMap;
@@ -106,8 +106,8 @@ fn positional_concurrent_writes_and_reads() {
 }
 
 #[test]
-fn radix_concurrent_writes_and_reads() {
-    writers_and_readers_at_once(RadixIndex::new(1 << 16, 1 << 16));
+fn runs_concurrent_writes_and_reads() {
+    writers_and_readers_at_once(RunIndex::default());
 }
 
 #[test]

@@ -12,7 +12,7 @@ mod tools;
 
 use kvindex_core::hash::{BlockHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::PositionalIndex;
-use kvindex_core::index::radix::RadixIndex;
+use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{Backend, KvIndex};
 use std::sync::Mutex;
 use tools::alloc::CountingAlloc;
@@ -33,8 +33,8 @@ fn churn_keeps_memory_flat_and_emptying_gives_it_back() {
     let mut trace = read_trace_file(std::path::Path::new(path)).unwrap();
     trace.truncate(4000);
     let mock = MockConfig { workers: 8, capacity: 8192, factor: 4, seed: 7, hole_rate: 0.0 };
-    let points = churn(&trace, mock, &[Indexer::Kvindex(Backend::Positional), Indexer::Kvindex(Backend::Radix)], 64, 5, false);
-    for backend in ["positional", "radix"] {
+    let points = churn(&trace, mock, &[Indexer::Kvindex(Backend::Runs), Indexer::Kvindex(Backend::Positional)], 64, 5, false);
+    for backend in ["runs", "positional"] {
         let at = |phase: &str| {
             points.iter().find(|p| p.backend == backend && p.phase == phase).unwrap_or_else(|| panic!("{backend} {phase}"))
         };
@@ -83,8 +83,10 @@ fn kept_after_long_chains<I: KvIndex>(index: I, leaf_first: bool) -> isize {
         writers.push(writer);
     };
     run(1);
+    index.settle();
     let before = tools::alloc::live_bytes();
     (2..=65).for_each(&mut run);
+    index.settle();
     let kept = tools::alloc::live_bytes() - before;
     assert_eq!(index.stats().placements, 0);
     drop(writers);
@@ -104,7 +106,7 @@ fn workers_keep_nothing_of_the_chains_they_stored() {
     for leaf_first in [true, false] {
         for (name, kept) in [
             ("positional", least(&|| kept_after_long_chains(PositionalIndex::default(), leaf_first))),
-            ("radix", least(&|| kept_after_long_chains(RadixIndex::new(1 << 16, 1 << 16), leaf_first))),
+            ("runs", least(&|| kept_after_long_chains(RunIndex::default(), leaf_first))),
         ] {
             // The registry's names for 64 more workers and the small tables kept for a next
             // hole: a few hundred bytes a worker, nothing per block.

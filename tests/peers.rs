@@ -12,8 +12,8 @@ mod tools;
 
 use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::ReferenceIndex;
-use rustc_hash::FxHashMap;
 use kvindex_core::RunIndex;
+use rustc_hash::FxHashMap;
 use tools::peers::{DynamoCrtc, DynamoPositional, SmgChain, SmgPositional};
 use tools::stream::Op;
 use tools::trace::{read_trace_file, MockConfig, MockEngine};

@@ -9,8 +9,8 @@ mod tools;
 
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
+use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::Event;
 use std::collections::HashMap;
@@ -91,7 +91,7 @@ fn backends_answer_every_trace_lookup_like_the_reference() {
         let got = replay(&PositionalIndex::new(PositionalConfig { jump, ..Default::default() }), &wl);
         assert!(got == want, "positional (jump {jump}) differs from the reference");
     }
-    assert!(replay(&RadixIndex::new(1 << 16, 64), &wl) == want, "radix differs from the reference");
+    assert!(replay(&RunIndex::default(), &wl) == want, "runs differs from the reference");
 }
 
 #[test]
@@ -129,7 +129,7 @@ fn backends_stay_exact_when_evictions_leave_holes() {
             replay(&PositionalIndex::default(), &wl) == want,
             "positional differs from the reference at hole rate {hole_rate}"
         );
-        assert!(replay(&RadixIndex::new(1 << 16, 64), &wl) == want, "radix differs from the reference at hole rate {hole_rate}");
+        assert!(replay(&RunIndex::default(), &wl) == want, "runs differs from the reference at hole rate {hole_rate}");
     }
 }
 
@@ -139,7 +139,7 @@ fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
     use tools::bench::{run, BenchConfig, Indexer, Mode};
     let cfg = MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate: 0.0 };
     let wl = Workload::from_timed(MockEngine::run(cfg, &trace()[..300]));
-    let backends = [Backend::Positional, Backend::Radix, Backend::Reference];
+    let backends = [Backend::Runs, Backend::Positional, Backend::Reference];
     let cfg = BenchConfig {
         backends: backends.iter().map(|&b| Indexer::Kvindex(b)).collect(),
         modes: vec![Mode::Sequential, Mode::Events],
@@ -153,19 +153,19 @@ fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
     let rows = run(&[("", &wl)], &cfg);
     let got: Vec<(&str, &str)> = rows.iter().map(|r| (r.backend.as_str(), r.mode.as_str())).collect();
     let want: Vec<(&str, &str)> =
-        ["positional", "radix", "reference"].iter().flat_map(|&b| [(b, "sequential"), (b, "events")]).collect();
+        ["runs", "positional", "reference"].iter().flat_map(|&b| [(b, "sequential"), (b, "events")]).collect();
     assert_eq!(got, want, "one row per backend and mode, in the order asked");
     for r in &rows {
         assert!(r.block_ops_per_s > 0.0 && r.block_ops > 0, "{} {} measured nothing", r.backend, r.mode);
         match (r.backend.as_str(), r.vs_first) {
-            ("positional", None) => {}
-            ("positional", Some(x)) => panic!("the first backend has no ratio to itself: {x:?}"),
+            ("runs", None) => {}
+            ("runs", Some(x)) => panic!("the first backend has no ratio to itself: {x:?}"),
             (_, None) => panic!("{} {} has no ratio to the first backend", r.backend, r.mode),
             (_, Some(x)) => assert!(0.0 < x.min && x.min <= x.median && x.median <= x.max, "{} {}: {x:?}", r.backend, r.mode),
         }
     }
     let one = run(&[("", &wl)], &BenchConfig { repeat: 1, ..cfg });
-    assert!(one.iter().filter(|r| r.backend != "positional").all(|r| r.vs_first.is_some_and(|x| x.min == x.max)));
+    assert!(one.iter().filter(|r| r.backend != "runs").all(|r| r.vs_first.is_some_and(|x| x.min == x.max)));
 }
 
 #[test]
@@ -176,7 +176,7 @@ fn bench_compares_streams_in_one_run() {
     let plain = Workload::from_timed(MockEngine::run(mock(0.0), &trace()[..300]));
     let holes = Workload::from_timed(MockEngine::run(mock(0.5), &trace()[..300]));
     let cfg = BenchConfig {
-        backends: [Backend::Positional, Backend::Radix].iter().map(|&b| Indexer::Kvindex(b)).collect(),
+        backends: [Backend::Runs, Backend::Positional].iter().map(|&b| Indexer::Kvindex(b)).collect(),
         modes: vec![Mode::Events],
         apply_threads: 1,
         lookup_threads: 1,
@@ -187,7 +187,7 @@ fn bench_compares_streams_in_one_run() {
     };
     let rows = run(&[("p0.jsonl", &plain), ("p05.jsonl", &holes)], &cfg);
     let got: Vec<(Option<&str>, &str)> = rows.iter().map(|r| (r.stream.as_deref(), r.backend.as_str())).collect();
-    let want = [("p0.jsonl", "positional"), ("p0.jsonl", "radix"), ("p05.jsonl", "positional"), ("p05.jsonl", "radix")];
+    let want = [("p0.jsonl", "runs"), ("p0.jsonl", "positional"), ("p05.jsonl", "runs"), ("p05.jsonl", "positional")];
     assert_eq!(got, want.map(|(s, b)| (Some(s), b)), "one row per stream and backend, streams in the order given");
     let blocks = |wl: &Workload| wl.stored_blocks + wl.removed_blocks;
     assert_ne!(blocks(&plain), blocks(&holes), "the streams must differ for this test to tell them apart");

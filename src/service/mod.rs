@@ -29,7 +29,6 @@ use futures::StreamExt;
 use ingest::Cursors;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{Backend, KvIndex};
 use kvindex_core::tiers::OtherTiers;
@@ -205,10 +204,6 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
         Backend::Positional => {
             let index_cfg = PositionalConfig { jump: cfg.jump, max_depth: cfg.max_depth, max_workers: cfg.max_workers };
             run(cfg, move || PositionalIndex::new(index_cfg), shutdown).await
-        }
-        Backend::Radix => {
-            let (depth, workers) = (cfg.max_depth, cfg.max_workers);
-            run(cfg, move || RadixIndex::new(depth, workers), shutdown).await
         }
         Backend::Reference => anyhow::bail!("configuration: backend: the reference model is for tests, not for serving"),
     }

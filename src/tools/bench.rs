@@ -9,7 +9,6 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvindex::apply::ApplyPool;
 use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{Backend, KvIndex, MatchOptions};
@@ -220,8 +219,9 @@ pub fn with_backend<R>(indexer: Indexer, jump: usize, f: impl FnOnceIndex<R>) ->
     let max_workers = PositionalConfig::default().max_workers;
     match indexer {
         Indexer::Kvindex(Backend::Runs) => f.call(|_| RunIndex::new(RunConfig { max_depth, max_workers })),
-        Indexer::Kvindex(Backend::Positional) => f.call(|_| PositionalIndex::new(PositionalConfig { jump, ..Default::default() })),
-        Indexer::Kvindex(Backend::Radix) => f.call(|_| RadixIndex::new(max_depth, max_workers)),
+        Indexer::Kvindex(Backend::Positional) => {
+            f.call(|_| PositionalIndex::new(PositionalConfig { jump, ..Default::default() }))
+        }
         Indexer::Kvindex(Backend::Reference) => f.call(|_| ReferenceIndex::new(max_depth, max_workers)),
         #[cfg(feature = "peers")]
         Indexer::SmgPositional => f.call(|_| crate::tools::peers::SmgPositional::new(max_workers)),
@@ -288,6 +288,9 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
                     pb.set_position(i as u64);
                 }
             }
+            // Writes' deferred work (a peer's queued events, the run index's retired memory)
+            // is part of the replay.
+            index.settle();
             let secs = start.elapsed().as_secs_f64();
             pb.finish_and_clear();
             let placements = index.stats().placements;
@@ -353,6 +356,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
                     pb.set_position(i as u64);
                 }
             }
+            index.settle();
             let secs = start.elapsed().as_secs_f64();
             pb.finish_and_clear();
             let blocks = wl.stored_blocks + wl.removed_blocks;
@@ -401,7 +405,12 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
         }
 
         if cfg.modes.contains(&Mode::Concurrent) {
-            rows.push(concurrent(make(cfg.apply_threads), wl, cfg, row("concurrent", format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads))));
+            rows.push(concurrent(
+                make(cfg.apply_threads),
+                wl,
+                cfg,
+                row("concurrent", format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads)),
+            ));
         }
         rows
     }
@@ -726,6 +735,7 @@ impl FnOnceIndex<Vec<ChurnPoint>> for Churn<'_> {
                     apply_event(&index, &mut writers, *w, ev);
                 }
             }
+            index.settle();
             held += alloc::live_bytes() - before;
             drop(wl);
             pb.set_position(pass as u64 * self.trace.len() as u64);
@@ -736,12 +746,14 @@ impl FnOnceIndex<Vec<ChurnPoint>> for Churn<'_> {
         for w in writers.values_mut() {
             index.clear(w);
         }
+        index.settle();
         held += alloc::live_bytes() - before;
         point("cleared".into(), &index, held, stored, removed);
         let before = alloc::live_bytes();
         for (_, w) in writers.drain() {
             index.remove_worker(w);
         }
+        index.settle();
         held += alloc::live_bytes() - before;
         point("removed".into(), &index, held, stored, removed);
         points

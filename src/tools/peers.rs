@@ -246,7 +246,11 @@ mod dynamo {
     }
 
     /// The peer's answer for `query` in kvindex's order.
-    pub(super) fn answer(query: &[LocalHash], opts: &MatchOptions, find: impl FnOnce(&[LocalBlockHash]) -> OverlapScores) -> Vec<WorkerMatch> {
+    pub(super) fn answer(
+        query: &[LocalHash],
+        opts: &MatchOptions,
+        find: impl FnOnce(&[LocalBlockHash]) -> OverlapScores,
+    ) -> Vec<WorkerMatch> {
         let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
         let scores = QUERY.with_borrow_mut(|q| {
             q.clear();
@@ -418,7 +422,10 @@ impl DynamoPositional {
     /// An empty index probing every `jump` positions.
     pub fn new(jump: usize, max_workers: u32) -> Self {
         DynamoPositional {
-            index: dynamo::PositionalIndexer::new_with_mode(jump.max(1), dynamo_kv_router::indexer::positional::SearchMode::Strided),
+            index: dynamo::PositionalIndexer::new_with_mode(
+                jump.max(1),
+                dynamo_kv_router::indexer::positional::SearchMode::Strided,
+            ),
             registry: WorkerRegistry::new(max_workers),
             placements: Default::default(),
         }

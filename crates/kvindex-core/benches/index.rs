@@ -1,11 +1,11 @@
 //! Criterion micro-benchmarks of the index's hot paths: store a chain, remove one, look up a
-//! prefix, for the positional and radix backends, with 16 workers and with fleets of up to
+//! prefix, for the run and positional backends, with 16 workers and with fleets of up to
 //! 4096 workers sharing a prefix, or holding each prefix two or three at a time. `kvindex bench` measures whole replays;
 //! kvindex-client's `decode` bench measures the wire decoder.
 
 use criterion::measurement::WallTime;
 use criterion::{black_box, criterion_group, criterion_main, BenchmarkGroup, BenchmarkId, Criterion, Throughput};
-use kvindex_core::{BlockHash, KvIndex, LocalHash, MatchOptions, PositionalIndex, RadixIndex, StoredBlock, WorkerId};
+use kvindex_core::{BlockHash, KvIndex, LocalHash, MatchOptions, PositionalIndex, RunIndex, StoredBlock, WorkerId};
 use std::time::{Duration, Instant};
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -155,12 +155,12 @@ fn bench_pairs<I: KvIndex>(c: &mut Criterion, make: impl Fn() -> I) {
 }
 
 fn benches(c: &mut Criterion) {
+    bench_backend(c, RunIndex::default);
     bench_backend(c, PositionalIndex::default);
-    bench_backend(c, || RadixIndex::new(1 << 16, 1 << 16));
+    bench_workers(c, RunIndex::default);
     bench_workers(c, PositionalIndex::default);
-    bench_workers(c, || RadixIndex::new(1 << 16, 1 << 16));
+    bench_pairs(c, RunIndex::default);
     bench_pairs(c, PositionalIndex::default);
-    bench_pairs(c, || RadixIndex::new(1 << 16, 1 << 16));
 }
 
 criterion_group! {

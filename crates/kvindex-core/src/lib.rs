@@ -14,8 +14,8 @@
 //!   values that publishers or routers choose (hash-flooding resistance).
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`tiers`]: host and disk tiers, each with an index of its own beside the device index.
-//! - [`index`]: the [`KvIndex`] trait and its backends: [`PositionalIndex`] (the default),
-//!   [`RadixIndex`] and the [`ReferenceIndex`] model the tests compare both against.
+//! - [`index`]: the [`KvIndex`] trait and its backends: [`RunIndex`] (the default),
+//!   [`PositionalIndex`] and the [`ReferenceIndex`] model the tests compare both against.
 //!
 //! # Guarantees
 //!
@@ -28,9 +28,9 @@
 //! A worker caches three blocks of a request; a router asks who holds its prefix.
 //!
 //! ```
-//! use kvindex_core::{local_hashes, BlockHash, KvIndex, MatchOptions, PositionalIndex, StoredBlock, WorkerId};
+//! use kvindex_core::{local_hashes, BlockHash, KvIndex, MatchOptions, RunIndex, StoredBlock, WorkerId};
 //!
-//! let index = PositionalIndex::default();
+//! let index = RunIndex::default();
 //! let tokens: Vec<u32> = (0..64).collect();
 //! let locals = local_hashes(&tokens, 16, None, None); // four full blocks
 //!
@@ -57,7 +57,6 @@ pub mod workers;
 pub use event::{Event, Tier};
 pub use hash::{local_hashes, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 pub use index::positional::{PositionalConfig, PositionalIndex};
-pub use index::radix::RadixIndex;
 pub use index::reference::ReferenceIndex;
 pub use index::runs::{RunConfig, RunIndex};
 pub use index::{ApplyOutcome, Backend, IndexStats, KvIndex, MatchOptions, WorkerMatch};

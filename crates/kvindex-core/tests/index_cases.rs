@@ -2,7 +2,6 @@
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{KvIndex, MatchOptions};
@@ -35,10 +34,6 @@ macro_rules! for_each_backend {
             #[test]
             fn runs() {
                 super::$case(RunIndex::new(RunConfig::default()));
-            }
-            #[test]
-            fn radix() {
-                super::$case(RadixIndex::new(1 << 16, 1 << 16));
             }
             #[test]
             fn reference() {

@@ -7,7 +7,6 @@
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::radix::RadixIndex;
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
 use kvindex_core::index::{ApplyOutcome, KvIndex, MatchOptions, WorkerMatch};
@@ -172,22 +171,18 @@ fn check_depth(ops: &[Op], jump: usize, spread: u64, max_depth: u32) -> Result<(
     let cfg = PositionalConfig { jump, max_depth, max_workers: 1 << 12 };
     let mut reference = Driver::new(move || ReferenceIndex::new(max_depth, 1 << 12), spread);
     let mut positional = Driver::new(move || PositionalIndex::new(cfg), spread);
-    let mut radix = Driver::new(move || RadixIndex::new(max_depth, 1 << 12), spread);
     let mut runs = Driver::new(move || RunIndex::new(RunConfig { max_depth, max_workers: 1 << 12 }), spread);
     for (i, op) in ops.iter().enumerate() {
         let want = reference.apply(op);
         let got_p = positional.apply(op);
-        let got_r = radix.apply(op);
         let got_u = runs.apply(op);
         prop_assert_eq!(&got_u, &want, "runs differs at op {} {:?}", i, op);
         prop_assert_eq!(&got_p, &want, "positional differs at op {} {:?}", i, op);
-        prop_assert_eq!(&got_r, &want, "radix differs at op {} {:?}", i, op);
     }
     // After the stream, every prefix of every chain any worker could hold must agree too.
     let p = positional.index.stats();
     let r = reference.index.stats();
     prop_assert_eq!(p.placements, r.placements);
-    prop_assert_eq!(radix.index.stats().placements, r.placements);
     let u = runs.index.stats();
     prop_assert_eq!(u.placements, r.placements);
     prop_assert!(u.hidden <= u.placements);

@@ -4,13 +4,11 @@
 //! daemon, one apply thread owns each worker's writer), so a worker's reverse map needs no
 //! lock. Lookups take `&self` and run on the caller's thread, concurrently with writes.
 //!
-//! Backends: [`runs::RunIndex`] (the default), [`positional::PositionalIndex`],
-//! [`radix::RadixIndex`] and the [`reference::ReferenceIndex`] model the tests compare them
-//! against.
+//! Backends: [`runs::RunIndex`] (the default), [`positional::PositionalIndex`] and the
+//! [`reference::ReferenceIndex`] model the tests compare them against.
 
 pub(crate) mod linear;
 pub mod positional;
-pub mod radix;
 pub mod reference;
 pub mod runs;
 
@@ -86,7 +84,7 @@ pub struct WorkerMatch {
 pub struct IndexStats {
     /// (worker, block) placements.
     pub placements: u64,
-    /// Distinct (position, prefix) entries (positional) or tree nodes (radix).
+    /// Distinct (position, prefix) entries (positional), or local hashes held by runs (runs).
     pub entries: u64,
     /// Workers holding a slot.
     pub workers: u64,
@@ -114,7 +112,7 @@ pub struct SavedBlock {
     /// Its position in the sequence.
     pub pos: u32,
     /// The backend's key of its place: the prefix hash (positional, reference) or the
-    /// local hash (radix).
+    /// local hash (runs).
     pub key: u64,
     /// What it hangs under.
     pub parent: SavedParent,
@@ -128,7 +126,7 @@ pub enum SavedParent {
     /// The worker's block with this engine hash (saved before it).
     Block(u64),
     /// A place the worker does not hold (the block is an orphan), in the backend's terms:
-    /// the parent's prefix hash (positional), or the local hashes of its path (radix).
+    /// the parent's prefix hash (positional), or the local hashes of its path (runs).
     Place(Vec<u64>),
     /// Unknown: the worker's links were given up (a tangled positional worker); the block
     /// is placed alone.
@@ -180,9 +178,11 @@ pub trait KvIndex: Send + Sync + 'static {
     /// depth, deepest first (ties by worker id).
     fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch>;
 
-    /// Returns once every write accepted so far is applied. The backends here apply a write
-    /// on the caller's thread before returning, so there is nothing to wait for; an adapter of
-    /// an index that applies writes on threads of its own (a peer in the benchmarks) waits.
+    /// Returns once every write accepted so far is applied and the memory it retired is
+    /// released (as far as lookups in flight allow), for benchmarks and memory readings. The
+    /// backends here apply a write on the caller's thread before returning; the run index
+    /// frees what writes retired; an adapter of an index that applies writes on threads of its
+    /// own (a peer in the benchmarks) waits for them.
     fn settle(&self) {}
 
     /// Current size.
@@ -294,22 +294,19 @@ pub enum Backend {
     Runs,
     /// [`positional::PositionalIndex`]: per-position tables, jump search.
     Positional,
-    /// [`radix::RadixIndex`]: a radix tree, for short or highly divergent sequences.
-    Radix,
     /// [`reference::ReferenceIndex`]: the simple model the tests compare against.
     Reference,
 }
 
 impl Backend {
     /// Every backend, in the order the CLI lists them.
-    pub const ALL: [Backend; 4] = [Backend::Runs, Backend::Positional, Backend::Radix, Backend::Reference];
+    pub const ALL: [Backend; 3] = [Backend::Runs, Backend::Positional, Backend::Reference];
 
     /// The backend's config and CLI name.
     pub fn as_str(self) -> &'static str {
         match self {
             Backend::Runs => "runs",
             Backend::Positional => "positional",
-            Backend::Radix => "radix",
             Backend::Reference => "reference",
         }
     }

@@ -153,10 +153,8 @@ mod tests {
                         m.add(x, b, &mut h);
                     }
                     model.extend(x..b);
-                } else if model.remove(&x) {
-                    if !m.try_drop_last(x) {
-                        m.drop_offset(x, &mut h);
-                    }
+                } else if model.remove(&x) && !m.try_drop_last(x) {
+                    m.drop_offset(x, &mut h);
                 }
                 check(&m, &h);
                 assert_eq!(held(&m, &h), model);

@@ -202,8 +202,8 @@ impl RunIndex {
             }
             return finish_matches(&self.registry, &s.out, limit);
         };
-        s.out.sort_unstable_by(|a, b| b.1.cmp(&a.1));
-        s.groups.sort_unstable_by(|a, b| b.0.cmp(&a.0));
+        s.out.sort_unstable_by_key(|x| std::cmp::Reverse(x.1));
+        s.groups.sort_unstable_by_key(|g| std::cmp::Reverse(g.0));
         let mut chosen: Vec<(Slot, u32)> = Vec::with_capacity(limit);
         let (mut i, mut j) = (0, 0);
         while chosen.len() < limit {
@@ -340,6 +340,16 @@ impl KvIndex for RunIndex {
         })
     }
 
+    /// Writes apply on the caller's thread; what they retired (replaced arrays, dead runs) is
+    /// freed here once no lookup in flight can still read it, so memory readings that follow
+    /// are exact. The collector frees a few batches a call: this calls it until the thread's
+    /// garbage has had every chance to go.
+    fn settle(&self) {
+        for _ in 0..SETTLE_ROUNDS {
+            epoch::pin().flush();
+        }
+    }
+
     fn stats(&self) -> IndexStats {
         IndexStats {
             placements: self.placements.load(Ordering::Relaxed).max(0) as u64,
@@ -357,6 +367,10 @@ impl KvIndex for RunIndex {
         self.restore_worker(w, saved)
     }
 }
+
+/// Collector calls [`RunIndex::settle`] makes: each frees up to eight batches of 64 retired
+/// objects, and a churn pass retires a few thousand.
+const SETTLE_ROUNDS: usize = 2048;
 
 /// Room a run's hash array is given: what it holds, and as much again once it has grown.
 fn hashes_cap(len: usize) -> usize {
