@@ -115,7 +115,8 @@ impl Metrics {
         r.register(Box::new(event_lag.clone())).expect("unique metric");
         let lookup_duration = HistogramVec::new(
             HistogramOpts::new("kvindex_lookup_duration_seconds", "Time to answer a lookup, decode to reply.").buckets(vec![
-                0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0,
+                0.000002, 0.000003, 0.000005, 0.0000075, 0.00001, 0.000015, 0.00002, 0.00003, 0.00005, 0.000075, 0.0001, 0.00015,
+                0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.05, 0.25, 1.0, 5.0,
             ]),
             &["result"],
         )
