@@ -230,6 +230,9 @@ struct BenchArgs {
     /// No progress bars.
     #[arg(long)]
     no_progress: bool,
+    /// Compare every end-state answer with the reference model's (a column of how many differ).
+    #[arg(long)]
+    check: bool,
 }
 
 /// Flags of `serve`; each overrides the config file and the `KVINDEX_*` environment.
@@ -571,6 +574,7 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         max_matches: (a.max_matches > 0).then_some(a.max_matches),
         progress,
         repeat: a.repeat,
+        check: a.check,
     };
     let named: Vec<(&str, &Workload)> = wls.iter().map(|(n, w)| (n.as_str(), w)).collect();
     let rows = bench::run(&named, &cfg);

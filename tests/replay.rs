@@ -149,6 +149,7 @@ fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
         max_matches: None,
         progress: false,
         repeat: 3,
+        check: false,
     };
     let rows = run(&[("", &wl)], &cfg);
     let got: Vec<(&str, &str)> = rows.iter().map(|r| (r.backend.as_str(), r.mode.as_str())).collect();
@@ -184,6 +185,7 @@ fn bench_compares_streams_in_one_run() {
         max_matches: None,
         progress: false,
         repeat: 2,
+        check: false,
     };
     let rows = run(&[("p0.jsonl", &plain), ("p05.jsonl", &holes)], &cfg);
     let got: Vec<(Option<&str>, &str)> = rows.iter().map(|r| (r.stream.as_deref(), r.backend.as_str())).collect();

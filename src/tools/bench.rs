@@ -11,7 +11,7 @@ use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
-use kvindex_core::index::{Backend, KvIndex, MatchOptions};
+use kvindex_core::index::{Backend, KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::Event;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -93,6 +93,8 @@ pub struct BenchConfig {
     /// Rounds, each running every backend once (the order reversed every other round, so that
     /// neither side always runs in the machine's same phase); each row reports its best run.
     pub repeat: usize,
+    /// Compare every end-state answer with the reference model's and count those that differ.
+    pub check: bool,
 }
 
 /// One row of results.
@@ -118,6 +120,9 @@ pub struct BenchResult {
     pub bytes_per_placement: Option<f64>,
     /// Peak heap bytes of the index during the replay (sequential mode).
     pub peak_index_bytes: Option<u64>,
+    /// End-state answers unlike the reference model's (with `check`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub wrong: Option<u64>,
     /// Its block ops/s as a multiple of the first backend's (on the first stream) in the same
     /// round and mode: the median over rounds, then the lowest and highest. `None` for the
     /// first backend on the first stream.
@@ -254,6 +259,8 @@ fn apply_event<I: KvIndex>(index: &I, writers: &mut FxHashMap<WorkerId, I::Write
 struct RunAll<'a> {
     wl: &'a Workload,
     cfg: &'a BenchConfig,
+    /// The reference model's end-state answers, with `check`.
+    truth: Option<&'a [Vec<WorkerMatch>]>,
 }
 
 impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
@@ -328,6 +335,9 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
                     blocks += q.len() as u64;
                 }
                 let secs = start.elapsed().as_secs_f64();
+                let wrong = self.truth.map(|truth| {
+                    queries.iter().zip(truth).filter(|(q, want)| index.find_matches(q, &opts) != **want).count() as u64
+                });
                 rows.push(BenchResult {
                     seconds: secs,
                     block_ops: blocks,
@@ -338,6 +348,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
                     lookup_p99_us: us(&lat, 0.99),
                     lookup_p999_us: us(&lat, 0.999),
                     placements,
+                    wrong,
                     ..row("end-state", one())
                 });
             }
@@ -489,6 +500,10 @@ fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: B
 /// the order of the backends, each with its ratio to the first (see `BenchResult::vs_first`).
 pub fn run(streams: &[(&str, &Workload)], cfg: &BenchConfig) -> Vec<BenchResult> {
     let cases: Vec<(usize, Indexer)> = (0..streams.len()).flat_map(|s| cfg.backends.iter().map(move |&b| (s, b))).collect();
+    let truths: Vec<Option<Vec<Vec<WorkerMatch>>>> = streams
+        .iter()
+        .map(|(_, wl)| (cfg.check && cfg.modes.contains(&Mode::EndState)).then(|| reference_answers(wl, cfg)))
+        .collect();
     let n = cases.len();
     let mut best: Vec<Vec<BenchResult>> = vec![Vec::new(); n];
     // Block ops/s by round, case and mode.
@@ -499,7 +514,8 @@ pub fn run(streams: &[(&str, &Workload)], cfg: &BenchConfig) -> Vec<BenchResult>
         for i in order {
             let (s, backend) = cases[i];
             let (name, wl) = streams[s];
-            for mut r in with_backend(backend, cfg.jump, RunAll { wl, cfg }) {
+            let truth = truths[s].as_deref();
+            for mut r in with_backend(backend, cfg.jump, RunAll { wl, cfg, truth }) {
                 r.stream = (streams.len() > 1).then(|| name.to_string());
                 this[i].insert(r.mode.clone(), r.block_ops_per_s);
                 match best[i].iter_mut().find(|x| x.mode == r.mode) {
@@ -519,6 +535,21 @@ pub fn run(streams: &[(&str, &Workload)], cfg: &BenchConfig) -> Vec<BenchResult>
         }
     }
     best.into_iter().flatten().collect()
+}
+
+/// The reference model's answer to every lookup of `wl` in its final state.
+fn reference_answers(wl: &Workload, cfg: &BenchConfig) -> Vec<Vec<WorkerMatch>> {
+    let limits = PositionalConfig::default();
+    let index = ReferenceIndex::new(limits.max_depth, limits.max_workers);
+    let mut writers = FxHashMap::default();
+    for op in &wl.ops {
+        if let Op::Event(w, ev) = op {
+            apply_event(&index, &mut writers, *w, ev);
+        }
+    }
+    let frozen = index.freeze();
+    let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
+    wl.lookup_queries().iter().map(|q| frozen.find_matches(q, &opts)).collect()
 }
 
 /// One point of a saturation sweep.
@@ -617,10 +648,14 @@ pub fn table(rows: &[BenchResult]) -> String {
     let width = rows.iter().filter_map(|r| r.stream.as_ref()).map(|n| n.len()).max();
     let bw = rows.iter().map(|r| r.backend.len()).max().unwrap_or(0).max(14);
     let mut s = width.map_or(String::new(), |w| format!("{:<w$} ", "stream"));
+    let check = rows.iter().any(|r| r.wrong.is_some());
     s += &format!(
         "{:<bw$} {:<11} {:>7} {:>9} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
         "backend", "mode", "threads", "seconds", "block ops/s", "lookups/s", "p50 us", "p99 us", "p999 us", "B/place", "peak MiB"
     );
+    if check {
+        s += &format!(" {:>6}", "wrong");
+    }
     if ratios {
         s += "  x first (range)";
     }
@@ -633,7 +668,7 @@ pub fn table(rows: &[BenchResult]) -> String {
         let peak = r.peak_index_bytes.map_or("-".into(), |b| format!("{:.1}", b as f64 / (1 << 20) as f64));
         let lat = |v: f64| if r.lookups == 0 { "-".to_string() } else { format!("{v:.2}") };
         s += &format!(
-            "{:<14} {:<11} {:>7} {:>9.3} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
+            "{:<bw$} {:<11} {:>7} {:>9.3} {:>12} {:>10} {:>9} {:>9} {:>9} {:>10} {:>10}",
             r.backend,
             r.mode,
             r.threads,
@@ -646,6 +681,9 @@ pub fn table(rows: &[BenchResult]) -> String {
             bpp,
             peak
         );
+        if check {
+            s += &format!(" {:>6}", r.wrong.map_or("-".into(), |w| w.to_string()));
+        }
         match r.vs_first {
             Some(x) => s += &format!("  {:.2}x ({:.2}-{:.2})", x.median, x.min, x.max),
             None if ratios => s += "  -",

@@ -29,6 +29,43 @@ impl ReferenceIndex {
     }
 }
 
+/// The reference model's answers for a state that no longer changes: each worker's places
+/// gathered once, so that checking every lookup of a long replay costs one probe per worker
+/// and position instead of a pass over every block.
+pub struct FrozenReference {
+    /// Each worker and the places it holds.
+    workers: Vec<(WorkerId, HashSet<(u32, PrefixHash)>)>,
+}
+
+impl FrozenReference {
+    /// The answer [`ReferenceIndex::find_matches`] gives in the frozen state.
+    pub fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        let mut chain = Vec::new();
+        prefix_chain(&query[..n], &mut chain);
+        let mut out: Vec<WorkerMatch> = self
+            .workers
+            .iter()
+            .filter(|(id, _)| opts.workers.as_ref().is_none_or(|f| f.contains(&id.worker_id)))
+            .filter_map(|(id, places)| {
+                let depth = chain.iter().enumerate().take_while(|&(i, p)| places.contains(&(i as u32, *p))).count();
+                (depth > 0).then_some(WorkerMatch { worker: *id, blocks: depth as u32 })
+            })
+            .collect();
+        out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+        out.truncate(opts.max_matches.unwrap_or(usize::MAX));
+        out
+    }
+}
+
+impl ReferenceIndex {
+    /// Its state, frozen for fast answers (benchmarks check every end-state lookup with it).
+    pub fn freeze(&self) -> FrozenReference {
+        let all = self.workers.lock();
+        FrozenReference { workers: all.iter().map(|(id, held)| (*id, held.values().copied().collect())).collect() }
+    }
+}
+
 impl KvIndex for ReferenceIndex {
     type Writer = ReferenceWriter;
 
