@@ -15,8 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-/// Called on the apply thread after each batch: the worker, what the batch did, its tag.
-pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64) + Send + Sync>;
+/// Called on the apply thread after each batch: the worker, what the batch did, its tag, and
+/// when the thread took it from its queue.
+pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64, std::time::Instant) + Send + Sync>;
 
 /// Work to run on a worker's apply thread once its queued events are applied.
 pub type Then = Box<dyn FnOnce() + Send>;
@@ -244,7 +245,7 @@ fn writers_of<'a, I: KvIndex>(
                 let out = ApplyOutcome { refused, ..ApplyOutcome::default() };
                 total.lock().add(&out);
                 if let Some(h) = hook {
-                    h(worker, &out, 0);
+                    h(worker, &out, 0, std::time::Instant::now());
                 }
                 None
             }
@@ -264,6 +265,7 @@ fn apply_loop<I: KvIndex>(
     for cmd in rx {
         match cmd {
             Command::Apply { worker, events, tag } => {
+                let taken = std::time::Instant::now();
                 let Some(w) = writers_of(&mut writers, index, worker, events.len() as u64, total, &hook) else { continue };
                 let mut out = ApplyOutcome::default();
                 for ev in &events {
@@ -282,7 +284,7 @@ fn apply_loop<I: KvIndex>(
                 total.lock().add(&out);
                 stats.batches.fetch_add(1, Ordering::Relaxed);
                 if let Some(h) = &hook {
-                    h(worker, &out, tag);
+                    h(worker, &out, tag, taken);
                 }
             }
             Command::RemoveWorker(worker) => {
@@ -301,6 +303,7 @@ fn apply_loop<I: KvIndex>(
                 }
             }
             Command::Restore(saved) => {
+                let taken = std::time::Instant::now();
                 let Some(w) = writers_of(&mut writers, index, saved.worker, 1, total, &hook) else { continue };
                 let mut out = index.restore(&mut w.device, &saved.device);
                 if let Some(others) = others {
@@ -310,7 +313,7 @@ fn apply_loop<I: KvIndex>(
                 }
                 total.lock().add(&out);
                 if let Some(h) = &hook {
-                    h(saved.worker, &out, 0);
+                    h(saved.worker, &out, 0, taken);
                 }
             }
             Command::Then(f) => f(),

@@ -9,7 +9,7 @@ use kvindex_core::index::Backend;
 use std::path::PathBuf;
 use tools::bench::{self, BenchConfig, Indexer, Mode, Workload};
 use tools::trace::{self, MockConfig, MockEngine};
-use tools::{shards, stream};
+use tools::{keepup, shards, stream};
 
 #[global_allocator]
 static ALLOC: tools::alloc::CountingAlloc = tools::alloc::CountingAlloc;
@@ -210,12 +210,17 @@ struct BenchArgs {
     /// Matches a lookup returns at most, deepest first (the daemon's default); 0 for all.
     #[arg(long, default_value_t = 64)]
     max_matches: usize,
-    /// Instead of the modes: compress the trace's timeline by each factor, report achieved vs offered.
+    /// Instead of the modes: open-loop runs on the trace's timeline compressed by each factor,
+    /// events through the apply pool and lookups from lookup threads, the drain counted; reports
+    /// whether each index kept up (within 1.10x of the offered window) and where it stops.
     #[arg(long)]
-    sweep: bool,
-    /// Timeline compression factors of --sweep.
-    #[arg(long, value_delimiter = ',', default_value = "500,1000,2000,4000,8000")]
+    keep_up: bool,
+    /// Timeline compression factors of --keep-up.
+    #[arg(long, value_delimiter = ',', default_value = "250,500,1000,2000,4000,8000")]
     speedups: Vec<f64>,
+    /// With --keep-up: also write the points to FILE.json and the plot to FILE.svg.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
     /// Instead of the modes: replay the trace this many times through the same engines
     /// (constant churn), then clear and expire every worker; report the index's memory after each.
     #[arg(long)]
@@ -539,8 +544,8 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         }
         return Ok(());
     }
-    if a.sweep && a.source.stream.len() > 1 {
-        bail!("--sweep replays one stream; give --stream once");
+    if a.keep_up && !a.source.stream.is_empty() {
+        bail!("--keep-up issues ops at their trace times: give a trace, not a stream file");
     }
     let wls = a.source.load_all()?;
     for (name, wl) in &wls {
@@ -556,12 +561,29 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         );
     }
     let progress = !a.no_progress && !a.json;
-    if a.sweep {
-        let points = bench::sweep(&wls[0].1, &a.backends, a.jump, &a.speedups, progress)?;
+    if a.keep_up {
+        let cfg = keepup::KeepUpConfig {
+            backends: a.backends,
+            speedups: a.speedups,
+            apply_threads: a.apply_threads,
+            lookup_threads: a.lookup_threads,
+            jump: a.jump,
+            max_matches: (a.max_matches > 0).then_some(a.max_matches),
+            progress,
+        };
+        let points = keepup::sweep(&wls[0].1, &cfg)?;
+        if let Some(out) = &a.out {
+            let json = out.with_extension("json");
+            std::fs::write(&json, serde_json::to_string_pretty(&points)?)
+                .with_context(|| format!("writing {}", json.display()))?;
+            let svg = out.with_extension("svg");
+            keepup::plot(&points, &svg).with_context(|| format!("plotting {}", svg.display()))?;
+            eprintln!("wrote {} and {}", json.display(), svg.display());
+        }
         if a.json {
             println!("{}", serde_json::to_string_pretty(&points)?);
         } else {
-            print!("{}", bench::sweep_table(&points));
+            print!("{}", keepup::table(&points));
         }
         return Ok(());
     }

@@ -478,7 +478,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     });
     let hook: OnApplied = {
         let state = state.clone();
-        Arc::new(move |worker, out, ts_ns| {
+        Arc::new(move |worker, out, ts_ns, _taken| {
             let m = &state.metrics;
             m.hot.blocks_stored.inc_by(out.stored);
             m.hot.blocks_removed.inc_by(out.removed);

@@ -552,85 +552,6 @@ fn reference_answers(wl: &Workload, cfg: &BenchConfig) -> Vec<Vec<WorkerMatch>> 
     wl.lookup_queries().iter().map(|q| frozen.find_matches(q, &opts)).collect()
 }
 
-/// One point of a saturation sweep.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct SweepPoint {
-    pub backend: String,
-    pub speedup: f64,
-    pub offered_block_ops_per_s: f64,
-    pub achieved_block_ops_per_s: f64,
-    /// How late ops ran behind their compressed arrival time.
-    pub lag_p50_us: f64,
-    pub lag_p99_us: f64,
-}
-
-struct Sweep<'a> {
-    wl: &'a Workload,
-    ts: &'a [u64],
-    speedups: &'a [f64],
-    progress: bool,
-}
-
-impl FnOnceIndex<Vec<SweepPoint>> for Sweep<'_> {
-    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> Vec<SweepPoint> {
-        let span_ms = self.ts.last().copied().unwrap_or(0).max(1) as f64;
-        let opts = MatchOptions::default();
-        let mut out = Vec::new();
-        for &s in self.speedups {
-            let index = make(1);
-            let mut writers = FxHashMap::default();
-            let mut lag = histogram();
-            let pb = progress(self.progress, self.wl.ops.len() as u64, format!("{} sweep x{s}", index.name()));
-            let start = Instant::now();
-            for (i, op) in self.wl.ops.iter().enumerate() {
-                let due = Duration::from_secs_f64(self.ts[i] as f64 / 1000.0 / s);
-                let now = start.elapsed();
-                if now < due {
-                    std::thread::sleep(due - now);
-                } else {
-                    let _ = lag.record((now - due).as_nanos() as u64);
-                }
-                match op {
-                    Op::Lookup(q) => {
-                        std::hint::black_box(index.find_matches(q, &opts));
-                    }
-                    Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
-                }
-                if i % 1024 == 0 {
-                    pb.set_position(i as u64);
-                }
-            }
-            let secs = start.elapsed().as_secs_f64();
-            pb.finish_and_clear();
-            out.push(SweepPoint {
-                backend: index.name().to_string(),
-                speedup: s,
-                offered_block_ops_per_s: self.wl.block_ops() as f64 / (span_ms / 1000.0 / s),
-                achieved_block_ops_per_s: self.wl.block_ops() as f64 / secs,
-                lag_p50_us: us(&lag, 0.5),
-                lag_p99_us: us(&lag, 0.99),
-            });
-        }
-        out
-    }
-}
-
-/// Replays the trace with its timeline compressed by each speedup: achieved vs offered.
-pub fn sweep(
-    wl: &Workload,
-    backends: &[Indexer],
-    jump: usize,
-    speedups: &[f64],
-    progress: bool,
-) -> anyhow::Result<Vec<SweepPoint>> {
-    let ts = wl.ts_ms.as_deref().ok_or_else(|| anyhow::anyhow!("--sweep needs a trace (a stream file has no arrival times)"))?;
-    let mut out = Vec::new();
-    for &b in backends {
-        out.extend(with_backend(b, jump, Sweep { wl, ts, speedups, progress }));
-    }
-    Ok(out)
-}
-
 fn si(x: f64) -> String {
     if x >= 1e6 {
         format!("{:.2}M", x / 1e6)
@@ -690,26 +611,6 @@ pub fn table(rows: &[BenchResult]) -> String {
             None => {}
         }
         s += "\n";
-    }
-    s
-}
-
-/// The sweep as an aligned text table.
-pub fn sweep_table(points: &[SweepPoint]) -> String {
-    let mut s = format!(
-        "{:<11} {:>8} {:>14} {:>14} {:>11} {:>11}\n",
-        "backend", "speedup", "offered ops/s", "achieved ops/s", "lag p50 us", "lag p99 us"
-    );
-    for p in points {
-        s += &format!(
-            "{:<11} {:>8} {:>14} {:>14} {:>11.1} {:>11.1}\n",
-            p.backend,
-            p.speedup,
-            si(p.offered_block_ops_per_s),
-            si(p.achieved_block_ops_per_s),
-            p.lag_p50_us,
-            p.lag_p99_us
-        );
     }
     s
 }

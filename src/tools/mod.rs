@@ -7,14 +7,16 @@
 //!   the domain event at this edge.
 //! - [`flood`]: a hash-flooding workload (keys built to collide without a seed) and its control.
 //! - [`bench`]: `kvindex bench`, the trace-replay benchmark of the index backends.
+//! - [`keepup`]: `kvindex bench --keep-up`: open-loop runs on the trace's compressed timeline,
+//!   drain counted, and where each index stops keeping up.
 //! - [`harness`]: a `nats-server` child and an in-process daemon, for `e2e` and the tests.
 //! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
 //! - [`demo`]: `kvindex demo`: a closed loop of router, mock engines and kvindex, showing the
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
 //! - [`shards`]: `kvindex shards`: a partitioned index simulated on traces (docs/SCALING.md).
-//! - `peers`: smg's indexes behind kvindex's index trait, so `bench` compares them in one run
-//!   (only with `--features peers`).
+//! - `peers`: smg's and NVIDIA Dynamo's indexes behind kvindex's index trait, so `bench`
+//!   compares them in one run (only with `--features peers`).
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 
 pub mod alloc;
@@ -24,6 +26,7 @@ pub mod demo;
 pub mod e2e;
 pub mod flood;
 pub mod harness;
+pub mod keepup;
 #[cfg(feature = "peers")]
 pub mod peers;
 pub mod shards;

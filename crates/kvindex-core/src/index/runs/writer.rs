@@ -492,6 +492,9 @@ impl RunIndex {
         }
         self.flush(w, batch, &mut d, &guard);
         self.commit(&d);
+        // What dead runs left goes to the collector now, and the writer frees what is due, so
+        // that lookups, which also collect now and then, rarely find a writer's garbage to free.
+        guard.flush();
         out
     }
 
