@@ -117,7 +117,7 @@ fn full_queue_pushes_back_and_loses_nothing() {
     let (release_tx, release_rx) = mpsc::channel::<()>();
     let (entered_tx, entered_rx) = mpsc::channel::<()>();
     let (release_rx, entered_tx) = (Mutex::new(release_rx), Mutex::new(entered_tx));
-    let hook: OnApplied = Arc::new(move |_, _, tag| {
+    let hook: OnApplied = Arc::new(move |_, _, tag, _| {
         if tag == 1 {
             let _ = entered_tx.lock().unwrap().send(());
             let _ = release_rx.lock().unwrap().recv();
@@ -165,7 +165,7 @@ fn a_full_registry_refuses_and_reports_instead_of_dropping_silently() {
     let index = Arc::new(PositionalIndex::new(PositionalConfig { max_workers: 1, ..PositionalConfig::default() }));
     let refused = Arc::new(Mutex::new(Vec::new()));
     let seen = refused.clone();
-    let hook: OnApplied = Arc::new(move |w, out, _| {
+    let hook: OnApplied = Arc::new(move |w, out, _, _| {
         if out.refused > 0 {
             seen.lock().unwrap().push((w, out.refused));
         }
@@ -183,7 +183,7 @@ fn a_full_registry_refuses_and_reports_instead_of_dropping_silently() {
 #[test]
 fn a_dead_apply_thread_is_reported() {
     let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
-    let hook: OnApplied = Arc::new(|_, _, tag| assert_ne!(tag, 666, "the hook panics, as a bug in the index would"));
+    let hook: OnApplied = Arc::new(|_, _, tag, _| assert_ne!(tag, 666, "the hook panics, as a bug in the index would"));
     let pool = ApplyPool::new(index, 2, 16, Some(hook));
     assert_eq!(pool.dead_threads(), 0);
     pool.apply(WorkerId::new(1, 0), vec![Event::stored(None, &[(5, 50)])], 666);
