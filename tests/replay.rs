@@ -211,3 +211,50 @@ fn a_ratio_is_the_median_and_range_of_its_rounds() {
     assert_eq!(Ratio::of(&[f64::NAN, 2.0, f64::INFINITY]), Some(Ratio { median: 2.0, min: 2.0, max: 2.0 }));
     assert_eq!(Ratio::of(&[]), None);
 }
+
+#[test]
+fn keep_up_reports_every_run_and_where_each_index_stops() {
+    use kvindex_core::index::Backend;
+    use tools::bench::Indexer;
+    use tools::keepup::{plot, sweep, thresholds, KeepUpConfig, KeepUpPoint};
+    let cfg = MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate: 0.0 };
+    let wl = Workload::from_timed(MockEngine::run(cfg, &trace()[..200]));
+    let kc = KeepUpConfig {
+        backends: vec![Indexer::Kvindex(Backend::Runs), Indexer::Kvindex(Backend::Positional)],
+        speedups: vec![1e5, 2e5],
+        apply_threads: 2,
+        lookup_threads: 1,
+        jump: 64,
+        max_matches: Some(64),
+        progress: false,
+    };
+    let points = sweep(&wl, &kc).expect("a trace has arrival times");
+    let got: Vec<(&str, f64)> = points.iter().map(|p| (p.backend.as_str(), p.speedup)).collect();
+    assert_eq!(got, [("runs", 1e5), ("runs", 2e5), ("positional", 1e5), ("positional", 2e5)]);
+    for p in &points {
+        let offered = (wl.block_ops()) as f64 / p.window_s;
+        assert!((p.offered_block_ops_per_s - offered).abs() < 1e-6 * offered, "{p:?}");
+        assert!(p.achieved_block_ops_per_s > 0.0 && p.elapsed_s > 0.0, "{p:?}");
+        assert_eq!(p.kept_up, p.elapsed_s <= 1.10 * p.window_s);
+    }
+    assert!((points[1].offered_block_ops_per_s / points[0].offered_block_ops_per_s - 2.0).abs() < 1e-9);
+    // Thresholds: the highest offered rate kept up, the lowest not.
+    let at = |backend: &str, offered: f64, kept_up: bool| KeepUpPoint {
+        backend: backend.into(),
+        offered_block_ops_per_s: offered,
+        achieved_block_ops_per_s: offered,
+        kept_up,
+        ..Default::default()
+    };
+    let synthetic = [at("a", 1.0, true), at("a", 2.0, true), at("a", 4.0, false), at("a", 8.0, false), at("b", 1.0, false)];
+    assert_eq!(thresholds(&synthetic), [("a".to_string(), Some(2.0), Some(4.0)), ("b".to_string(), None, Some(1.0))]);
+    let path = std::env::temp_dir().join(format!("kvindex-keep-up-{}.svg", std::process::id()));
+    plot(&points, &path).expect("plot");
+    let svg = std::fs::read_to_string(&path).expect("plot written");
+    let _ = std::fs::remove_file(&path);
+    assert!(svg.contains("<svg") && svg.contains("runs") && svg.contains("positional"));
+    // A stream file has no arrival times: refused, with the reason.
+    let mut timeless = Workload::from_timed(MockEngine::run(cfg, &trace()[..10]));
+    timeless.ts_ms = None;
+    assert!(sweep(&timeless, &kc).is_err_and(|e| e.to_string().contains("arrival times")));
+}

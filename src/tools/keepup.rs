@@ -342,7 +342,13 @@ pub fn plot(points: &[KeepUpPoint], path: &std::path::Path) -> anyhow::Result<()
         .x_label_area_size(45)
         .y_label_area_size(70)
         .build_cartesian_2d((lo..hi).log_scale(), (lo..hi).log_scale())?;
-    chart.configure_mesh().x_desc("offered block ops/s").y_desc("achieved block ops/s").draw()?;
+    chart
+        .configure_mesh()
+        .x_desc("offered block ops/s")
+        .y_desc("achieved block ops/s")
+        .x_label_formatter(&|v| si(*v))
+        .y_label_formatter(&|v| si(*v))
+        .draw()?;
     chart
         .draw_series(LineSeries::new([(lo, lo), (hi, hi)], BLACK.mix(0.3)))?
         .label("offered = achieved")
@@ -360,7 +366,12 @@ pub fn plot(points: &[KeepUpPoint], path: &std::path::Path) -> anyhow::Result<()
             .legend(move |(x, y)| PathElement::new([(x, y), (x + 20, y)], color.stroke_width(2)));
         chart.draw_series(line.into_iter().map(|xy| Circle::new(xy, 3, color.filled())))?;
     }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     root.present()?;
     Ok(())
 }
