@@ -3,12 +3,12 @@
 //!
 //! `cargo run --example embed`
 
-use kvindex_core::{local_hashes, BlockHash, Event, KvIndex, MatchOptions, PositionalIndex, StoredBlock, WorkerId};
+use kvindex_core::{local_hashes, BlockHash, Event, KvIndex, MatchOptions, RunIndex, StoredBlock, WorkerId};
 
 const BLOCK_SIZE: usize = 16;
 
 fn main() {
-    let index = PositionalIndex::default();
+    let index = RunIndex::default();
     // A writer per worker: its reverse map (engine hash -> place). Own it on one thread.
     let mut gpu0 = index.writer(WorkerId::new(0, 0)).expect("a free worker slot");
     let mut gpu1 = index.writer(WorkerId::new(1, 0)).expect("a free worker slot");
