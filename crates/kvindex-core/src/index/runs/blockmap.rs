@@ -21,7 +21,9 @@ const MIN_SLOTS: usize = 32;
 
 #[derive(Clone, Copy, Default)]
 struct Slot {
+    /// An engine hash (meaningful while its control byte says full).
     key: u64,
+    /// Its place.
     val: u64,
 }
 

@@ -61,7 +61,9 @@ impl Default for RunConfig {
 
 /// The run backend.
 pub struct RunIndex {
+    /// Its limits.
     cfg: RunConfig,
+    /// Worker identities and their slots, which coverage words carry.
     registry: WorkerRegistry,
     /// Every run, the root first.
     slab: Slab,
@@ -372,12 +374,7 @@ impl KvIndex for RunIndex {
 /// objects, and a churn pass retires a few thousand.
 const SETTLE_ROUNDS: usize = 2048;
 
-/// Room a run's hash array is given: what it holds, and as much again once it has grown.
-fn hashes_cap(len: usize) -> usize {
-    len
-}
-
-/// The hash array of a new run.
+/// The hash array of a new run: exactly its blocks (an append grows it by doubling).
 fn new_hashes(blocks: &[StoredBlock]) -> Hashes {
-    Hashes::new(blocks.iter().map(|b| b.tokens_hash.0), hashes_cap(blocks.len()))
+    Hashes::new(blocks.iter().map(|b| b.tokens_hash.0), blocks.len())
 }

@@ -92,6 +92,7 @@ struct ChildSlot {
 /// addressing, linear probing, a power-of-two number of slots. A slot goes from empty to a
 /// child to a tomb, never back, so a reader that meets a child reads the head stored with it.
 pub(crate) struct Children {
+    /// A power of two many.
     slots: Box<[ChildSlot]>,
 }
 

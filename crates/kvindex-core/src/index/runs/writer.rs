@@ -102,8 +102,11 @@ impl RunWriter {
 /// Counters a write sums locally and adds to the index's once.
 #[derive(Default)]
 struct Delta {
+    /// Change in (worker, engine hash) placements.
     placements: i64,
+    /// Change in local hashes held by live runs (runs opened, appended to, killed).
     blocks: i64,
+    /// Change in placements hidden past a hole.
     hidden: i64,
 }
 
@@ -113,8 +116,11 @@ struct Dead;
 
 /// Removals of one run gathered before its coverage word is written once.
 struct Batch {
+    /// The run the removals are in.
     run: RunId,
+    /// The worker's state there before them: what its coverage word says until the flush.
     before: Mine,
+    /// Its state after the removals gathered so far.
     now: Mine,
 }
 
