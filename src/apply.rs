@@ -32,6 +32,10 @@ enum Command {
     RemoveWorker(WorkerId),
     /// Sends every worker of the thread, saved, then drops the sender.
     Save(Sender<SavedWorker>),
+    /// Sends what each worker of the thread holds, then drops the sender.
+    Held(Sender<WorkerHeld>),
+    /// Sends one worker, saved (`None` if the thread has no such worker).
+    SaveOne(WorkerId, Sender<Option<SavedWorker>>),
     /// Rebuilds a worker from a snapshot.
     Restore(Box<SavedWorker>),
     Flush(Sender<()>),
@@ -47,6 +51,21 @@ pub struct SavedWorker {
     pub device: Saved,
     /// Its host and disk blocks.
     pub tiers: SavedTiers,
+}
+
+/// What one worker holds in each tier (engine hashes), as its apply thread counts them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct WorkerHeld {
+    /// The worker and dp rank.
+    pub worker: WorkerId,
+    /// Its GPU blocks.
+    pub device: u64,
+    /// Its host-memory blocks.
+    pub host: u64,
+    /// Its disk blocks.
+    pub disk: u64,
+    /// Batches waiting in its apply thread's queue.
+    pub queued: usize,
 }
 
 #[derive(Debug)]
@@ -164,6 +183,28 @@ impl<I: KvIndex> ApplyPool<I> {
             let _ = s.send(Command::Save(tx.clone()));
         }
         rx
+    }
+
+    /// What every worker holds, counted by its own thread after the events queued before
+    /// this call.
+    pub fn held(&self) -> Vec<WorkerHeld> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        for s in &self.senders {
+            let _ = s.send(Command::Held(tx.clone()));
+        }
+        drop(tx);
+        let depths = self.queue_depths();
+        let mut out: Vec<WorkerHeld> = rx.iter().map(|h| WorkerHeld { queued: depths[self.thread_of(h.worker)], ..h }).collect();
+        out.sort_unstable_by_key(|h| h.worker);
+        out
+    }
+
+    /// One worker, saved by its thread after the events queued before this call (`None`
+    /// if the pool does not know it).
+    pub fn save_worker(&self, worker: WorkerId) -> Option<SavedWorker> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let _ = self.senders[self.thread_of(worker)].send(Command::SaveOne(worker, tx));
+        rx.recv().ok().flatten()
     }
 
     /// Rebuilds `saved`'s worker (which must hold nothing yet) after the events queued
@@ -301,6 +342,20 @@ fn apply_loop<I: KvIndex>(
                     let tiers = others.map(|o| o.save(&w.others)).unwrap_or_default();
                     let _ = tx.send(SavedWorker { worker, device: index.save(&w.device), tiers });
                 }
+            }
+            Command::Held(tx) => {
+                for (&worker, w) in writers.iter() {
+                    let (host, disk) = others.map_or((0, 0), |o| o.held(&w.others));
+                    let _ = tx.send(WorkerHeld { worker, device: index.held(&w.device), host, disk, queued: 0 });
+                }
+            }
+            Command::SaveOne(worker, tx) => {
+                let saved = writers.get(&worker).map(|w| SavedWorker {
+                    worker,
+                    device: index.save(&w.device),
+                    tiers: others.map(|o| o.save(&w.others)).unwrap_or_default(),
+                });
+                let _ = tx.send(saved);
             }
             Command::Restore(saved) => {
                 let taken = std::time::Instant::now();

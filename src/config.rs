@@ -29,6 +29,12 @@ pub struct Config {
     pub prefix: String,
     /// Where `/metrics`, `/healthz` and `/readyz` are served.
     pub metrics_addr: String,
+    /// Where the inspect API (`/v1/workers`, `/v1/lookup`, a worker's blocks) is served; empty:
+    /// not served. Loopback by default: it shows every worker's state and blocks.
+    pub inspect_addr: String,
+    /// A bearer token the inspect API requires (`Authorization: Bearer <token>`); none: open to
+    /// whoever reaches `inspect_addr`.
+    pub inspect_token: Option<String>,
     /// Apply threads (0: one per core, less one for NATS and lookups, at least one).
     pub apply_threads: usize,
     /// Threads that answer lookups, on a runtime and NATS connection of their own so that
@@ -167,6 +173,8 @@ impl Default for Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             prefix: "kv".into(),
             metrics_addr: "0.0.0.0:9464".into(),
+            inspect_addr: "127.0.0.1:9466".into(),
+            inspect_token: None,
             apply_threads: 0,
             lookup_threads: 0,
             queue_capacity: 1024,
@@ -229,6 +237,8 @@ pub struct Overrides {
     pub prefix: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_addr: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub inspect_addr: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub apply_threads: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -307,6 +317,12 @@ impl Config {
         }
         if self.metrics_addr.parse::<std::net::SocketAddr>().is_err() {
             return bad("metrics_addr", "must be host:port with an IP address, e.g. 0.0.0.0:9464");
+        }
+        if !self.inspect_addr.is_empty() && self.inspect_addr.parse::<std::net::SocketAddr>().is_err() {
+            return bad("inspect_addr", "must be host:port with an IP address (e.g. 127.0.0.1:9466), or empty for none");
+        }
+        if self.inspect_token.as_ref().is_some_and(|t| t.is_empty() || t.contains(char::is_whitespace)) {
+            return bad("inspect_token", "must be non-empty, without spaces");
         }
         if self.queue_capacity == 0 {
             return bad("queue_capacity", "must be at least 1");

@@ -46,6 +46,85 @@ enum Command {
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
     /// healthcheck that needs no curl).
     Health(HealthArgs),
+    /// What a running kvindex knows of each worker: blocks per tier, epoch, last heard, stale
+    /// and why (its inspect API).
+    Workers(WorkersArgs),
+    /// Ask a running kvindex who holds a prompt's prefix, by tokens or local hashes.
+    Lookup(LookupArgs),
+    /// A worker's blocks in a running kvindex, as a replay stream (JSONL).
+    Dump(DumpArgs),
+}
+
+/// Where the daemon's inspect API is.
+#[derive(Args)]
+struct InspectFlags {
+    /// The daemon's inspect_addr.
+    #[arg(long, default_value = "127.0.0.1:9466")]
+    addr: String,
+    /// Its inspect_token, if it has one.
+    #[arg(long, env = "KVINDEX_INSPECT_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+}
+
+impl InspectFlags {
+    fn api(self) -> tools::inspect::Api {
+        tools::inspect::Api { addr: self.addr, token: self.token }
+    }
+}
+
+#[derive(Args)]
+struct WorkersArgs {
+    #[command(flatten)]
+    inspect: InspectFlags,
+    /// Print the API's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct LookupArgs {
+    #[command(flatten)]
+    inspect: InspectFlags,
+    /// Token ids, whitespace- or comma-separated or a JSON array.
+    #[arg(long, conflicts_with_all = ["text", "hashes"])]
+    tokens_file: Option<PathBuf>,
+    /// A text whose UTF-8 bytes are the token ids (no tokenizer: for byte-level models and
+    /// tests; give a real model's ids with --tokens-file).
+    #[arg(long, conflicts_with = "hashes")]
+    text: Option<String>,
+    /// The blocks' local hashes, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    hashes: Option<Vec<u64>>,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// The LoRA adapter of the request.
+    #[arg(long)]
+    lora_name: Option<String>,
+    /// The cache salt of the request.
+    #[arg(long)]
+    salt: Option<String>,
+    /// At most this many matches, deepest first.
+    #[arg(long)]
+    max_matches: Option<u32>,
+    /// Print the answer's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct DumpArgs {
+    #[command(flatten)]
+    inspect: InspectFlags,
+    /// The worker id.
+    #[arg(long)]
+    worker: u64,
+    /// Its dp rank.
+    #[arg(long, default_value_t = 0)]
+    dp_rank: u32,
+    /// Output file (`-` for stdout).
+    #[arg(long, short, default_value = "-")]
+    out: String,
 }
 
 /// Flags of `bridge`; each overrides the config file's `[bridge]` table and `KVINDEX_BRIDGE_*`.
@@ -248,6 +327,9 @@ struct ServeArgs {
     /// Address of /metrics, /healthz, /readyz [KVINDEX_METRICS_ADDR].
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Address of the inspect API, "" for none [KVINDEX_INSPECT_ADDR].
+    #[arg(long)]
+    inspect_addr: Option<String>,
     /// Apply threads, 0 for one per core less one [KVINDEX_APPLY_THREADS].
     #[arg(long)]
     apply_threads: Option<usize>,
@@ -385,6 +467,9 @@ fn main() -> Result<()> {
         Command::E2e(a) => e2e_cmd(a),
         Command::Demo(a) => demo_cmd(a),
         Command::Gen(a) => gen_cmd(a),
+        Command::Workers(a) => workers_cmd(a),
+        Command::Lookup(a) => lookup_cmd(a),
+        Command::Dump(a) => dump_cmd(a),
         Command::Shards(a) => shards_cmd(a),
         Command::Health(a) => health_cmd(a),
         Command::Bridge(a) => bridge_cmd(a),
@@ -446,6 +531,55 @@ fn bridge_cmd(a: BridgeArgs) -> Result<()> {
     rt.block_on(kvindex::bridge::run(cfg, shutdown_signal()))
 }
 
+fn workers_cmd(a: WorkersArgs) -> Result<()> {
+    let all = a.inspect.api().workers()?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&all)?);
+    } else {
+        print!("{}", tools::inspect::workers_table(&all));
+    }
+    Ok(())
+}
+
+fn lookup_cmd(a: LookupArgs) -> Result<()> {
+    let tokens = match (&a.tokens_file, &a.text) {
+        (Some(f), _) => Some(tools::inspect::read_tokens(f)?),
+        (None, Some(t)) => Some(t.bytes().map(u32::from).collect()),
+        (None, None) => None,
+    };
+    if tokens.is_none() && a.hashes.is_none() {
+        bail!("give the request as --tokens-file, --text or --hashes");
+    }
+    let req = kvindex_client::protocol::LookupRequest {
+        block_size: tokens.is_some().then_some(a.block_size),
+        tokens,
+        block_hashes: a.hashes,
+        lora_name: a.lora_name,
+        salt: a.salt,
+        max_matches: a.max_matches,
+        ..Default::default()
+    };
+    let resp = a.inspect.api().lookup(&req)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&resp)?);
+    } else {
+        print!("{}", tools::inspect::answer_table(&resp));
+    }
+    Ok(())
+}
+
+fn dump_cmd(a: DumpArgs) -> Result<()> {
+    let api = a.inspect.api();
+    let n = if a.out == "-" {
+        api.dump(a.worker, a.dp_rank, &mut std::io::BufWriter::new(std::io::stdout().lock()))?
+    } else {
+        let f = std::fs::File::create(&a.out).with_context(|| format!("creating {}", a.out))?;
+        api.dump(a.worker, a.dp_rank, &mut std::io::BufWriter::new(f))?
+    };
+    eprintln!("{n} blocks of worker {} rank {}", a.worker, a.dp_rank);
+    Ok(())
+}
+
 fn health_cmd(a: HealthArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     match rt.block_on(tools::harness::http_get(&a.addr, &a.path)) {
@@ -497,6 +631,7 @@ fn serve_cmd(a: ServeArgs) -> Result<()> {
         nats_url: a.common.nats_url,
         prefix: a.common.prefix,
         metrics_addr: a.metrics_addr,
+        inspect_addr: a.inspect_addr,
         apply_threads: a.apply_threads,
         worker_ttl: a.worker_ttl,
         backend: a.backend,

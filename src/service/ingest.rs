@@ -62,6 +62,12 @@ impl Cursors {
         self.by_worker.iter().map(|(w, c)| (*w, c.epoch, c.next_id)).collect()
     }
 
+    /// Every worker's sequence, as the inspect API shows it: (worker, epoch, next event id,
+    /// when last heard from).
+    pub(super) fn view(&self) -> Vec<(WorkerId, u64, Option<u64>, Instant)> {
+        self.by_worker.iter().map(|(w, c)| (*w, c.epoch, c.next_id, c.last_seen)).collect()
+    }
+
     /// Every worker tracked.
     pub(super) fn workers(&self) -> Vec<WorkerId> {
         self.by_worker.keys().copied().collect()
@@ -223,11 +229,11 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     }
     if gap {
         state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
-        state.mark_stale(w);
+        state.mark_stale(w, "event_gap");
     } else if midstream {
         m.midstream_workers.inc();
         state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
-        state.mark_stale(w);
+        state.mark_stale(w, "midstream");
     } else if snapshot_done {
         // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
         // after this batch, unless something marks it stale again meanwhile.
@@ -235,7 +241,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     } else if opened && !h.snapshot_end {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
-        state.mark_stale_asked(w);
+        state.mark_stale_asked(w, "snapshot_in_progress");
     }
     if !out.is_empty() {
         if let Err(full) = pool.try_apply(w, out, h.ts_ns) {

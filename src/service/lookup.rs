@@ -22,7 +22,7 @@ const DEFAULT_MAX_MATCHES: usize = 64;
 const ENTRY_BYTES: usize = 96;
 
 /// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
-fn entries_that_fit(max_payload: usize) -> usize {
+pub(super) fn entries_that_fit(max_payload: usize) -> usize {
     max_payload.saturating_sub(ENTRY_BYTES) / ENTRY_BYTES
 }
 
@@ -131,7 +131,31 @@ async fn answer<I: KvIndex>(
     msg: async_nats::Message,
 ) {
     let start = Instant::now();
-    let (resp, ok) = match LookupRequest::decode(&msg.payload).and_then(|req| check(state, req)) {
+    let (resp, ok) = respond(state, index, others, room, LookupRequest::decode(&msg.payload));
+    if let Some(reply) = msg.reply {
+        if let Err(e) = client.publish(reply, resp.encode().into()).await {
+            state.metrics.lookup_reply_failures.inc();
+            state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
+        }
+    }
+    let hot = &state.metrics.hot;
+    let (count, duration) =
+        if ok { (&hot.lookups_ok, &hot.lookup_duration_ok) } else { (&hot.lookups_error, &hot.lookup_duration_error) };
+    count.inc();
+    duration.observe(start.elapsed().as_secs_f64());
+}
+
+/// The answer to a request (or the reason it could not be read), with whether it is one:
+/// what NATS lookups and the inspect API's `POST /v1/lookup` both reply. At most
+/// `max_matches` matches and, with the stale workers, `room` entries.
+pub(super) fn respond<I: KvIndex>(
+    state: &State,
+    index: &I,
+    others: &OtherTiers<I>,
+    room: usize,
+    req: Result<LookupRequest, String>,
+) -> (LookupResponse, bool) {
+    match req.and_then(|req| check(state, req)) {
         Ok((req, tiers)) => {
             let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
@@ -164,18 +188,7 @@ async fn answer<I: KvIndex>(
             state.log.warn("bad_lookup", || format!("lookup request rejected: {error}"));
             (LookupResponse::Error { error }, false)
         }
-    };
-    if let Some(reply) = msg.reply {
-        if let Err(e) = client.publish(reply, resp.encode().into()).await {
-            state.metrics.lookup_reply_failures.inc();
-            state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
-        }
     }
-    let hot = &state.metrics.hot;
-    let (count, duration) =
-        if ok { (&hot.lookups_ok, &hot.lookup_duration_ok) } else { (&hot.lookups_error, &hot.lookup_duration_error) };
-    count.inc();
-    duration.observe(start.elapsed().as_secs_f64());
 }
 
 /// The limits a request must keep, and its tiers: a `workers` filter longer than the workers

@@ -15,6 +15,7 @@ mod catch_up;
 mod http;
 mod huge_pages;
 mod ingest;
+mod inspect;
 mod lookup;
 mod recovery;
 mod snapshot;
@@ -71,6 +72,9 @@ struct State {
     cursors: Mutex<Cursors>,
     /// Stale workers and the resync requests sent to each.
     stale: Arc<DashMap<WorkerId, Resync>>,
+    /// The workers dropped last for silence past `worker_ttl`, and when (the newest last, at
+    /// most `EXPIRED_KEPT`): what the inspect API tells of a worker that is gone.
+    expired: Mutex<std::collections::VecDeque<(WorkerId, Instant)>>,
     resync_tx: mpsc::UnboundedSender<WorkerId>,
     log: RateLimitedLog,
     connected: AtomicBool,
@@ -104,31 +108,32 @@ impl State {
     /// backoff stands (whatever marks it stale again, requests keep doubling their interval
     /// until a snapshot completes), so a publisher that keeps sending what cannot be placed
     /// is not asked again on every batch.
-    fn mark_stale(&self, w: WorkerId) {
-        if self.mark(w, false) {
+    fn mark_stale(&self, w: WorkerId, reason: &'static str) {
+        if self.mark(w, false, reason) {
             let _ = self.resync_tx.send(w);
         }
     }
 
     /// Marks `w` stale as already asked (its snapshot is open, or a broadcast went out): a
     /// per-worker request follows only if the snapshot does not end within the backoff.
-    fn mark_stale_asked(&self, w: WorkerId) {
-        self.mark(w, true);
+    fn mark_stale_asked(&self, w: WorkerId, reason: &'static str) {
+        self.mark(w, true, reason);
     }
 
-    /// Marks `w` stale under a new generation (so a clear pending from an earlier snapshot
-    /// does not undo it); whether it was not stale before.
-    fn mark(&self, w: WorkerId, asked: bool) -> bool {
+    /// Marks `w` stale for `reason` under a new generation (so a clear pending from an
+    /// earlier snapshot does not undo it); whether it was not stale before.
+    fn mark(&self, w: WorkerId, asked: bool, reason: &'static str) -> bool {
         let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
         match self.stale.entry(w) {
             dashmap::mapref::entry::Entry::Vacant(v) => {
                 let asked = asked.then(Instant::now);
-                v.insert(Resync { asked, attempts: asked.is_some() as u32, generation });
+                v.insert(Resync { asked, attempts: asked.is_some() as u32, generation, reason, since: Instant::now() });
                 self.metrics.stale_workers.inc();
                 true
             }
             dashmap::mapref::entry::Entry::Occupied(mut o) => {
                 o.get_mut().generation = generation;
+                o.get_mut().reason = reason;
                 false
             }
         }
@@ -147,6 +152,9 @@ impl State {
         }
     }
 }
+
+/// Expired workers the inspect API remembers.
+const EXPIRED_KEPT: usize = 256;
 
 fn now_ns() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
@@ -463,6 +471,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         metrics: metrics.clone(),
         cursors: Mutex::new(Cursors::default()),
         stale: Arc::new(DashMap::new()),
+        expired: Mutex::new(std::collections::VecDeque::new()),
         resync_tx,
         log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },
         connected: AtomicBool::new(false),
@@ -498,7 +507,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             if out.unplaceable > 0 {
                 // Its position and prefix are unknown: the worker's state is off until a resync.
                 m.unplaceable_blocks.inc_by(out.unplaceable);
-                state.mark_stale(worker);
+                state.mark_stale(worker, "unplaceable");
             }
             let now = now_ns();
             if ts_ns > 0 && now >= ts_ns {
@@ -512,6 +521,10 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     let http = tokio::net::TcpListener::bind(&cfg.metrics_addr)
         .await
         .with_context(|| format!("binding metrics_addr {}", cfg.metrics_addr))?;
+    let inspect = match cfg.inspect_addr.as_str() {
+        "" => None,
+        addr => Some(tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding inspect_addr {addr}"))?),
+    };
     let (nats_tx, nats_rx) = mpsc::unbounded_channel();
     // JetStream: asks the ingest loop to read through a new consumer (see `stream_watch`).
     let (reopen_tx, mut reopen_rx) = mpsc::channel::<()>(1);
@@ -529,7 +542,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
     tracing::info!(
-        nats = %cfg.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, backend = index.name(),
+        nats = %cfg.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, inspect = %cfg.inspect_addr, backend = index.name(),
         apply_threads = cfg.apply_threads(), "kvindex serving"
     );
     huge_pages::log_state();
@@ -560,6 +573,9 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         tokio::spawn(recovery::readiness_loop(state.clone())),
         tokio::spawn(http::http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
+    let inspecting = inspect.map(|listener| {
+        tokio::spawn(inspect::inspect_server(listener, state.clone(), index.clone(), others.clone(), pool.clone()))
+    });
     // In the lookup queue group only while ready: a replica rebuilding its index (after a
     // start or a reconnect) leaves lookups to the complete ones.
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
@@ -630,7 +646,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             "shutdown grace period over (NATS unreachable or apply queues long); exiting anyway"
         );
     }
-    for task in background.into_iter().chain(durable.into_iter().flatten()) {
+    for task in background.into_iter().chain(durable.into_iter().flatten()).chain(inspecting) {
         task.abort();
     }
     if let Some(e) = failure {

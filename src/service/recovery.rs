@@ -14,12 +14,18 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// Resync requests to one stale worker: when the last went out and how many have.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub(super) struct Resync {
+    /// When the last request went out (none yet: its snapshot is awaited without one).
     pub(super) asked: Option<Instant>,
+    /// Requests sent since it went stale.
     pub(super) attempts: u32,
     /// When it was last marked stale (see `State::stale_generation`).
     pub(super) generation: u64,
+    /// Why it was last marked stale, as the inspect API names it.
+    pub(super) reason: &'static str,
+    /// Since when it is stale.
+    pub(super) since: Instant,
 }
 
 /// Whether the index has been rebuilt since the last broadcast resync.
@@ -176,7 +182,7 @@ pub(super) async fn nats_events(
                     last_loss = Some(Instant::now());
                     let workers = state.cursors.lock().workers();
                     for w in &workers {
-                        state.mark_stale_asked(*w);
+                        state.mark_stale_asked(*w, "slow_consumer");
                     }
                     state.log.warn("slow_consumer", || {
                         format!(
@@ -278,6 +284,11 @@ pub(super) async fn ttl_loop<I: KvIndex>(state: Arc<State>, pool: Arc<ApplyPool<
                 .warn("worker_expired", || format!("worker {w} silent past its TTL ({} s); dropping its blocks", ttl.as_secs()));
             state.metrics.workers_expired.inc();
             state.clear_stale(w);
+            let mut gone = state.expired.lock();
+            if gone.len() == super::EXPIRED_KEPT {
+                gone.pop_front();
+            }
+            gone.push_back((w, now));
         }
     }
 }

@@ -173,7 +173,7 @@ pub(super) async fn restore<I: KvIndex>(
             continue;
         }
         if w.stale {
-            state.mark_stale(id);
+            state.mark_stale(id, "stale_in_snapshot");
         }
         workers += 1;
         blocks += w.saved.device.blocks.len();

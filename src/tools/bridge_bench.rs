@@ -57,6 +57,7 @@ pub async fn run(batches: u64, events: u64, blocks: u64, rate: f64) -> Result<Br
         nats_url: nats.url(),
         prefix: "bb".into(),
         metrics_addr: format!("127.0.0.1:{}", free_port()?),
+        inspect_addr: format!("127.0.0.1:{}", free_port()?),
         worker_ttl: 0,
         ..Config::default()
     })

@@ -314,6 +314,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
                 nats_url: url.clone(),
                 prefix: cfg.prefix.clone(),
                 metrics_addr: format!("127.0.0.1:{}", free_port()?),
+                inspect_addr: format!("127.0.0.1:{}", free_port()?),
                 ..Config::default()
             };
             let d = Daemon::start(daemon_cfg).await.context("starting kvindex serve")?;

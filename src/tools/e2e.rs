@@ -103,6 +103,7 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
             nats_url: url.clone(),
             prefix: prefix.clone(),
             metrics_addr: format!("127.0.0.1:{}", free_port()?),
+            inspect_addr: format!("127.0.0.1:{}", free_port()?),
             apply_threads: cfg.apply_threads,
             worker_ttl: 0,
             ingest: if cfg.jetstream { Ingest::Jetstream } else { Ingest::Core },

@@ -10,6 +10,7 @@
 //! - [`keepup`]: `kvindex bench --keep-up`: open-loop runs on the trace's compressed timeline,
 //!   drain counted, and where each index stops keeping up.
 //! - [`harness`]: a `nats-server` child and an in-process daemon, for `e2e` and the tests.
+//! - [`inspect`]: `kvindex workers`, `lookup` and `dump`: the daemon's inspect API from a shell.
 //! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
 //! - [`demo`]: `kvindex demo`: a closed loop of router, mock engines and kvindex, showing the
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
@@ -26,6 +27,7 @@ pub mod demo;
 pub mod e2e;
 pub mod flood;
 pub mod harness;
+pub mod inspect;
 pub mod keepup;
 #[cfg(feature = "peers")]
 pub mod peers;

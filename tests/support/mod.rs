@@ -40,6 +40,7 @@ impl Daemon {
             nats_url: nats_url.into(),
             prefix: "t".into(),
             metrics_addr: format!("127.0.0.1:{}", free_port()),
+            inspect_addr: format!("127.0.0.1:{}", free_port()),
             apply_threads: 2,
             resync_interval: 1,
             ready_settle_ms: 100,

@@ -19,11 +19,23 @@ impl DaemonProcess {
     /// settings from `env` (e.g. `("RESYNC_INTERVAL", "1")`).
     pub fn start(nats_url: &str, extra_args: &[&str], env: &[(&str, &str)]) -> Self {
         let metrics_addr = format!("127.0.0.1:{}", free_port());
-        let mut args: Vec<String> =
-            ["serve", "--nats-url", nats_url, "--prefix", "t", "--metrics-addr", &metrics_addr, "--apply-threads", "2"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect();
+        let inspect_addr = format!("127.0.0.1:{}", free_port());
+        let mut args: Vec<String> = [
+            "serve",
+            "--nats-url",
+            nats_url,
+            "--prefix",
+            "t",
+            "--metrics-addr",
+            &metrics_addr,
+            "--inspect-addr",
+            &inspect_addr,
+            "--apply-threads",
+            "2",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
         args.extend(extra_args.iter().map(|s| s.to_string()));
         let env = env.iter().map(|(k, v)| (format!("KVINDEX_{k}"), v.to_string())).collect();
         let log = std::env::temp_dir().join(format!(

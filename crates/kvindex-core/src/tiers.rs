@@ -64,6 +64,12 @@ impl<W> TierWriters<W> {
 }
 
 impl<I: KvIndex> OtherTiers<I> {
+    /// Engine hashes the worker holds in the host and disk tiers.
+    pub fn held(&self, ws: &TierWriters<I::Writer>) -> (u64, u64) {
+        let count = |index: &I, w: &Option<I::Writer>| w.as_ref().map_or(0, |w| index.held(w));
+        (count(&self.host, &ws.host), count(&self.disk, &ws.disk))
+    }
+
     /// Applies a host or disk event of `worker` to that tier (a device event or a `cleared`
     /// does nothing here: see [`OtherTiers::clear`]). A worker that cannot get a slot in the
     /// tier has its event refused.

@@ -192,6 +192,13 @@ pub trait KvIndex: Send + Sync + 'static {
     /// reads back.
     fn save(&self, w: &Self::Writer) -> Saved;
 
+    /// Engine hashes the worker holds (past the depth limit not counted): what the inspect
+    /// API reports per worker. By default counted from [`KvIndex::save`]; backends count it
+    /// from their own map.
+    fn held(&self, w: &Self::Writer) -> u64 {
+        self.save(w).blocks.len() as u64
+    }
+
     /// Rebuilds an empty worker from what [`KvIndex::save`] of this backend wrote. A block
     /// that cannot be placed (a parent not saved before it, a position past the maximum
     /// depth) is counted as unplaceable or too deep, never a panic.

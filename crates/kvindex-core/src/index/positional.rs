@@ -1367,6 +1367,10 @@ impl KvIndex for PositionalIndex {
         })
     }
 
+    fn held(&self, w: &PositionalWriter) -> u64 {
+        w.blocks.len() as u64
+    }
+
     fn save(&self, w: &PositionalWriter) -> Saved {
         let parent = |r: &Rec| {
             if r.pos == 0 {

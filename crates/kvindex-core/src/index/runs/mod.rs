@@ -365,6 +365,10 @@ impl KvIndex for RunIndex {
         self.save_worker(w)
     }
 
+    fn held(&self, w: &RunWriter) -> u64 {
+        w.held()
+    }
+
     fn restore(&self, w: &mut RunWriter, saved: &Saved) -> super::ApplyOutcome {
         self.restore_worker(w, saved)
     }

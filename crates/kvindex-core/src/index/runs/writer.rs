@@ -77,6 +77,11 @@ impl RunWriter {
         }
     }
 
+    /// Engine hashes it holds.
+    pub(super) fn held(&self) -> u64 {
+        self.blocks.len() as u64
+    }
+
     /// One more engine hash holds `p` (it was held already).
     fn alias_add(&mut self, p: Place) {
         *self.aliases.upsert(p, 0).0 += 1;

@@ -1,0 +1,298 @@
+//! The inspect API: JSON over HTTP on `inspect_addr` (loopback unless configured), for
+//! operators and the `kvindex workers`, `lookup` and `dump` commands.
+//!
+//! - `GET /v1/workers`: every worker the daemon tracks, with its blocks per tier, epoch, next
+//!   event id, when it was last heard from, whether it is stale and why, and its apply
+//!   thread's queue; then the workers dropped lately for silence. Paged (`offset`, `limit`).
+//! - `GET /v1/workers/{worker_id}/{dp_rank}/blocks`: that worker's blocks as a replay stream
+//!   (`shared/STREAM.md`), parents first, then the blocks it holds past a hole. Paged.
+//! - `POST /v1/lookup`: a lookup request as JSON (the fields of `LookupRequest`), answered as
+//!   over NATS.
+//!
+//! With `inspect_token` set, every request needs `Authorization: Bearer <token>`.
+
+use super::lookup::{entries_that_fit, respond};
+use super::State;
+use crate::apply::ApplyPool;
+use axum::extract::{Path, Query, Request, State as Ctx};
+use axum::http::{header, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Json;
+use kvindex_client::protocol::LookupRequest;
+use kvindex_core::hash::WorkerId;
+use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
+use kvindex_core::tiers::OtherTiers;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Entries a page holds unless the request asks for fewer, and at most.
+const PAGE: usize = 1000;
+const PAGE_MAX: usize = 10_000;
+
+/// What the handlers read.
+struct Inspect<I: KvIndex> {
+    state: Arc<State>,
+    index: Arc<I>,
+    others: Arc<OtherTiers<I>>,
+    pool: Arc<ApplyPool<I>>,
+}
+
+/// `offset` and `limit` of a paged request.
+#[derive(Deserialize)]
+struct Page {
+    #[serde(default)]
+    offset: usize,
+    limit: Option<usize>,
+}
+
+impl Page {
+    /// The slice of `total` entries this page holds, and the offset of the next page.
+    fn window(&self, total: usize) -> (std::ops::Range<usize>, Option<usize>) {
+        let limit = self.limit.unwrap_or(PAGE).clamp(1, PAGE_MAX);
+        let start = self.offset.min(total);
+        let end = start.saturating_add(limit).min(total);
+        (start..end, (end < total).then_some(end))
+    }
+}
+
+/// A worker's blocks per tier.
+#[derive(Serialize)]
+struct Blocks {
+    device: u64,
+    host: u64,
+    disk: u64,
+}
+
+/// Why a worker is stale.
+#[derive(Serialize)]
+struct Stale {
+    /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `slow_consumer` or
+    /// `stale_in_snapshot` (OPERATIONS.md says what each means and what to do).
+    reason: &'static str,
+    /// Milliseconds since it went stale.
+    since_ms: u64,
+    /// Resync requests sent to it since.
+    resync_requests: u32,
+}
+
+/// One worker, as `GET /v1/workers` shows it.
+#[derive(Serialize)]
+struct Worker {
+    worker_id: u64,
+    dp_rank: u32,
+    blocks: Blocks,
+    epoch: u64,
+    /// The event id expected next (none until its first event of the epoch).
+    next_event_id: Option<u64>,
+    /// Milliseconds since its last batch (events or heartbeat).
+    last_heard_ms: u64,
+    /// Present while its answers may be out of date.
+    stale: Option<Stale>,
+    /// Batches waiting in its apply thread's queue.
+    queued: usize,
+}
+
+/// A worker dropped for silence past `worker_ttl`.
+#[derive(Serialize)]
+struct Expired {
+    worker_id: u64,
+    dp_rank: u32,
+    /// Milliseconds since it was dropped.
+    ago_ms: u64,
+}
+
+#[derive(Serialize)]
+struct Workers {
+    total: usize,
+    offset: usize,
+    next: Option<usize>,
+    workers: Vec<Worker>,
+    /// The workers dropped lately for silence, the newest first.
+    expired: Vec<Expired>,
+}
+
+fn ms(since: Instant, now: Instant) -> u64 {
+    now.saturating_duration_since(since).as_millis() as u64
+}
+
+async fn workers<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(page): Query<Page>) -> Response {
+    let pool = cx.pool.clone();
+    let Ok(held) = tokio::task::spawn_blocking(move || pool.held()).await else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "the apply threads did not answer");
+    };
+    let held: std::collections::HashMap<WorkerId, _> = held.into_iter().map(|h| (h.worker, h)).collect();
+    let mut tracked = cx.state.cursors.lock().view();
+    tracked.sort_unstable_by_key(|t| t.0);
+    let now = Instant::now();
+    let (range, next) = page.window(tracked.len());
+    let workers = tracked[range]
+        .iter()
+        .map(|&(w, epoch, next_id, last)| {
+            let h = held.get(&w);
+            Worker {
+                worker_id: w.worker_id,
+                dp_rank: w.dp_rank,
+                blocks: Blocks {
+                    device: h.map_or(0, |h| h.device),
+                    host: h.map_or(0, |h| h.host),
+                    disk: h.map_or(0, |h| h.disk),
+                },
+                epoch,
+                next_event_id: next_id,
+                last_heard_ms: ms(last, now),
+                stale: cx.state.stale.get(&w).map(|r| Stale {
+                    reason: r.reason,
+                    since_ms: ms(r.since, now),
+                    resync_requests: r.attempts,
+                }),
+                queued: h.map_or(0, |h| h.queued),
+            }
+        })
+        .collect();
+    let expired = cx
+        .state
+        .expired
+        .lock()
+        .iter()
+        .rev()
+        .map(|&(w, at)| Expired { worker_id: w.worker_id, dp_rank: w.dp_rank, ago_ms: ms(at, now) })
+        .collect();
+    Json(Workers { total: tracked.len(), offset: page.offset.min(tracked.len()), next, workers, expired }).into_response()
+}
+
+/// One line of a worker's dump: a `stored` op of the replay stream, or a block held past a
+/// hole (`hidden`), which no `stored` op can place: its parent is not held.
+#[derive(Serialize)]
+struct Line {
+    op: &'static str,
+    worker: u64,
+    /// The worker's dp rank (the replay stream's `worker` carries only the id).
+    dp_rank: u32,
+    /// Consecutive from 0 over the dump, as the replay stream wants.
+    event_id: u64,
+    /// The parent's engine hash (`stored`; null: a root block).
+    parent: Option<u64>,
+    /// `[[local hash, engine hash]]`: one block.
+    blocks: [[u64; 2]; 1],
+    /// `host` or `disk`; absent for the device tier.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tier: Option<&'static str>,
+    /// `hidden`: the block's position.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pos: Option<u32>,
+    /// `hidden`: the local hashes of the path to it, when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    path: Option<Vec<u64>>,
+}
+
+#[derive(Serialize)]
+struct Dump {
+    worker_id: u64,
+    dp_rank: u32,
+    /// The backend's key of each block: the local hash (runs) or the prefix hash (positional).
+    backend: &'static str,
+    total: usize,
+    offset: usize,
+    next: Option<usize>,
+    ops: Vec<Line>,
+}
+
+/// A saved block as a dump line, `event_id` left for the caller.
+fn line(w: WorkerId, tier: Option<&'static str>, b: &SavedBlock) -> Line {
+    let (op, parent, pos, path) = match &b.parent {
+        SavedParent::Root => ("stored", None, None, None),
+        SavedParent::Block(p) => ("stored", Some(*p), None, None),
+        SavedParent::Place(path) => ("hidden", None, Some(b.pos), Some(path.clone())),
+        SavedParent::Loose => ("hidden", None, Some(b.pos), None),
+    };
+    Line { op, worker: w.worker_id, dp_rank: w.dp_rank, event_id: 0, parent, blocks: [[b.key, b.hash]], tier, pos, path }
+}
+
+async fn blocks<I: KvIndex>(
+    Ctx(cx): Ctx<Arc<Inspect<I>>>,
+    Path((worker_id, dp_rank)): Path<(u64, u32)>,
+    Query(page): Query<Page>,
+) -> Response {
+    let w = WorkerId::new(worker_id, dp_rank);
+    let pool = cx.pool.clone();
+    let Ok(saved) = tokio::task::spawn_blocking(move || pool.save_worker(w)).await else {
+        return error(StatusCode::INTERNAL_SERVER_ERROR, "the apply threads did not answer");
+    };
+    let Some(saved) = saved else {
+        return error(StatusCode::NOT_FOUND, &format!("no worker {worker_id} rank {dp_rank}"));
+    };
+    // Parents first: saved blocks come by position; what cannot be stored (hidden) comes last.
+    let tiers =
+        [(None, Some(&saved.device)), (Some("host"), saved.tiers.host.as_ref()), (Some("disk"), saved.tiers.disk.as_ref())];
+    let (mut placed, mut hidden) = (Vec::new(), Vec::new());
+    for (tier, s) in tiers.into_iter().filter_map(|(t, s)| Some((t, s?))) {
+        for b in &s.blocks {
+            let l = line(w, tier, b);
+            if l.op == "stored" {
+                placed.push(l)
+            } else {
+                hidden.push(l)
+            }
+        }
+    }
+    placed.extend(hidden);
+    let total = placed.len();
+    let (range, next) = page.window(total);
+    let offset = range.start;
+    let ops: Vec<Line> = placed
+        .into_iter()
+        .enumerate()
+        .skip(range.start)
+        .take(range.len())
+        .map(|(i, l)| Line { event_id: i as u64, ..l })
+        .collect();
+    Json(Dump { worker_id, dp_rank, backend: cx.index.name(), total, offset, next, ops }).into_response()
+}
+
+async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Bytes) -> Response {
+    let req = serde_json::from_slice::<LookupRequest>(&body).map_err(|e| format!("not a lookup request: {e}"));
+    let (resp, ok) = respond(&cx.state, &*cx.index, &cx.others, entries_that_fit(1 << 20), req);
+    let status = if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST };
+    (status, Json(resp)).into_response()
+}
+
+/// `{"error": why}` with `status`.
+fn error(status: StatusCode, why: &str) -> Response {
+    (status, Json(serde_json::json!({ "error": why }))).into_response()
+}
+
+/// Requires the bearer token, when one is configured.
+async fn authorize(Ctx(token): Ctx<Option<Arc<str>>>, req: Request, next: Next) -> Response {
+    if let Some(token) = token {
+        let given =
+            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given != Some(&*token) {
+            return error(StatusCode::UNAUTHORIZED, "this inspect API needs its bearer token (inspect_token)");
+        }
+    }
+    next.run(req).await
+}
+
+/// Serves the inspect API on `listener` until the process ends.
+pub(super) async fn inspect_server<I: KvIndex>(
+    listener: tokio::net::TcpListener,
+    state: Arc<State>,
+    index: Arc<I>,
+    others: Arc<OtherTiers<I>>,
+    pool: Arc<ApplyPool<I>>,
+) {
+    let token: Option<Arc<str>> = state.cfg.inspect_token.as_deref().map(Arc::from);
+    let cx = Arc::new(Inspect { state, index, others, pool });
+    let app = axum::Router::new()
+        .route("/v1/workers", get(workers::<I>))
+        .route("/v1/workers/{worker_id}/{dp_rank}/blocks", get(blocks::<I>))
+        .route("/v1/lookup", post(lookup::<I>))
+        .with_state(cx)
+        .layer(axum::middleware::from_fn_with_state(token, authorize));
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!("inspect server stopped: {e}");
+    }
+}
