@@ -11,19 +11,11 @@ mod support;
 mod inspect;
 
 use inspect::Api;
-use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent, LookupRequest, LookupResponse, MatchEntry};
+use kvindex_client::protocol::{KvEvent, LookupRequest, LookupResponse, MatchEntry};
 use kvindex_core::hash::{BlockHash, StoredBlock};
 use kvindex_core::{Event, Tier};
 use serde_json::Value;
-use support::{eventually, Daemon, NatsServer};
-
-async fn publish(c: &async_nats::Client, worker: u64, events: Vec<KvEvent>) {
-    let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
-    let header = BatchHeader { worker_id: worker, epoch: 1, ts_ns, ..BatchHeader::default() };
-    let b = EventBatch { header, events: events.into_iter().map(Ok).collect() };
-    c.publish(format!("t.events.{worker}"), encode_batch(&b).into()).await.unwrap();
-    c.flush().await.unwrap();
-}
+use support::{eventually, publish, Daemon, NatsServer};
 
 /// A chain of device blocks with engine hashes from `base` and local hashes `locals`.
 fn stored(id: u64, parent: Option<u64>, base: u64, locals: &[u64]) -> KvEvent {

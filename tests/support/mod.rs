@@ -110,5 +110,15 @@ where
         tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
+/// Publishes `events` as one batch of `worker` (epoch 1) on prefix `t`, and flushes.
+pub async fn publish(c: &async_nats::Client, worker: u64, events: Vec<kvindex_client::protocol::KvEvent>) {
+    use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch};
+    let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let header = BatchHeader { worker_id: worker, epoch: 1, ts_ns, ..BatchHeader::default() };
+    let b = EventBatch { header, events: events.into_iter().map(Ok).collect() };
+    c.publish(format!("t.events.{worker}"), encode_batch(&b).into()).await.expect("published");
+    c.flush().await.expect("flushed");
+}
+
 pub mod engine;
 pub mod process;
