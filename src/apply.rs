@@ -2,9 +2,14 @@
 //! Every event of a worker goes to the same thread (by hash of its identity), so a worker's
 //! events apply in order and its writer (reverse map) is owned by that thread alone. Queues
 //! are bounded: a full queue blocks the sender (backpressure), nothing is dropped.
+//!
+//! Routers' announced placements go through the same threads (see [`Announcing`]): a
+//! worker's predictions and its routed-only blocks are written by its own thread, like its
+//! events.
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
-use kvindex_core::hash::WorkerId;
+use kvindex_core::announced::{AnnounceOutcome, Announced};
+use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::{ApplyOutcome, KvIndex, Saved};
 use kvindex_core::seeded::{SeededMap, SeededState};
 use kvindex_core::tiers::{OtherTiers, SavedTiers, TierWriters};
@@ -22,6 +27,32 @@ pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64, std::time::Instant
 /// Work to run on a worker's apply thread once its queued events are applied.
 pub type Then = Box<dyn FnOnce() + Send>;
 
+/// Called on the apply thread after each announcement or expiry of a worker's announced
+/// blocks: the worker, whether it is routed-only (else the blocks are predictions), what
+/// changed, and whether its slot was refused (every slot taken).
+pub type OnAnnounced = Arc<dyn Fn(WorkerId, bool, &AnnounceOutcome, bool) + Send + Sync>;
+
+/// Where and how long announced placements are kept (predictions for workers that publish
+/// events, the only state of routed-only workers).
+pub struct Announcing<I> {
+    /// The index that holds predictions, apart from the held blocks.
+    pub predicted: Arc<I>,
+    /// The most predicted blocks one worker holds.
+    pub predicted_capacity: usize,
+    /// The most predicted blocks all workers hold together; past it announcements are refused.
+    pub predicted_total: u64,
+    /// How long a predicted block is held after its last announcement, in ms.
+    pub predicted_ttl_ms: u64,
+    /// Which workers are routed-only: their announcements are their blocks in the main index.
+    pub routed_only: Arc<dyn Fn(u64) -> bool + Send + Sync>,
+    /// The most blocks a routed-only worker holds (its engine's cache, in blocks).
+    pub routed_only_capacity: usize,
+    /// How long a routed-only worker's block is held after its last announcement, in ms.
+    pub routed_only_ttl_ms: u64,
+    /// Told what each announcement and expiry did.
+    pub on_announced: Option<OnAnnounced>,
+}
+
 enum Command {
     Apply {
         worker: WorkerId,
@@ -29,6 +60,13 @@ enum Command {
         tag: u64,
     },
     Then(Then),
+    /// A router sent a request with these blocks to the worker.
+    Announce {
+        worker: WorkerId,
+        locals: Vec<LocalHash>,
+    },
+    /// Drops announced blocks past their TTL.
+    Expire,
     RemoveWorker(WorkerId),
     /// Sends every worker of the thread, saved, then drops the sender.
     Save(Sender<SavedWorker>),
@@ -64,6 +102,8 @@ pub struct WorkerHeld {
     pub host: u64,
     /// Its disk blocks.
     pub disk: u64,
+    /// Blocks routers announced for it that its events have not shown (predictions).
+    pub predicted: u64,
     /// Batches waiting in its apply thread's queue.
     pub queued: usize,
 }
@@ -93,6 +133,10 @@ pub struct ApplyPool<I: KvIndex> {
     stats: Arc<PoolStats>,
     /// Picks a worker's thread; seeded, so that chosen worker ids cannot pile onto one thread.
     spread: SeededState,
+    /// Predicted blocks held by all workers, against [`Announcing::predicted_total`].
+    predicted_total: Arc<AtomicU64>,
+    /// The index of predictions, when announcements are kept.
+    predicted: Option<Arc<I>>,
 }
 
 impl<I: KvIndex> ApplyPool<I> {
@@ -110,7 +154,23 @@ impl<I: KvIndex> ApplyPool<I> {
         queue_capacity: usize,
         on_applied: Option<OnApplied>,
     ) -> Self {
+        Self::start(index, others, None, threads, queue_capacity, on_applied)
+    }
+
+    /// As [`ApplyPool::new`], applying host and disk events to `others` and, with
+    /// `announcing`, keeping routers' announced placements.
+    pub fn start(
+        index: Arc<I>,
+        others: Option<Arc<OtherTiers<I>>>,
+        announcing: Option<Announcing<I>>,
+        threads: usize,
+        queue_capacity: usize,
+        on_applied: Option<OnApplied>,
+    ) -> Self {
         let threads = threads.max(1);
+        let predicted_total = Arc::new(AtomicU64::new(0));
+        let announcing = announcing.map(Arc::new);
+        let predicted = announcing.as_ref().map(|a| a.predicted.clone());
         let totals: Arc<Vec<Mutex<ApplyOutcome>>> = Arc::new((0..threads).map(|_| Mutex::default()).collect());
         let stats = Arc::new(PoolStats::default());
         let mut senders = Vec::with_capacity(threads);
@@ -120,13 +180,14 @@ impl<I: KvIndex> ApplyPool<I> {
             senders.push(tx);
             let (index, others, totals, stats, hook) =
                 (index.clone(), others.clone(), totals.clone(), stats.clone(), on_applied.clone());
+            let announce = announcing.clone().map(|a| (a, predicted_total.clone()));
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-apply-{t}"))
-                .spawn(move || apply_loop(&*index, others.as_deref(), rx, &totals[t], &stats, hook))
+                .spawn(move || apply_loop(&*index, others.as_deref(), announce, rx, &totals[t], &stats, hook))
                 .expect("spawning an apply thread");
             handles.push(handle);
         }
-        ApplyPool { index, others, senders, handles, totals, stats, spread: SeededState::default() }
+        ApplyPool { index, others, senders, handles, totals, stats, spread: SeededState::default(), predicted_total, predicted }
     }
 
     /// The index the pool writes to.
@@ -174,7 +235,30 @@ impl<I: KvIndex> ApplyPool<I> {
         }
     }
 
-    /// Drops every block of `worker` and frees its slot, after its queued events.
+    /// Holds `locals` as announced for `worker` (a router sent it that request), after its
+    /// queued events, waiting while the queue is full. Ignored by a pool without announcing.
+    pub fn announce(&self, worker: WorkerId, locals: Vec<LocalHash>) {
+        let _ = self.senders[self.thread_of(worker)].send(Command::Announce { worker, locals });
+    }
+
+    /// Drops announced blocks past their TTL, on every thread; a thread whose queue is full
+    /// skips this round.
+    pub fn expire_announced(&self) {
+        for s in &self.senders {
+            let _ = s.try_send(Command::Expire);
+        }
+    }
+
+    /// Predicted blocks held by all workers.
+    pub fn predicted_blocks(&self) -> u64 {
+        self.predicted_total.load(Ordering::Relaxed)
+    }
+
+    /// The index of predictions, when announcements are kept.
+    pub fn predicted(&self) -> Option<&Arc<I>> {
+        self.predicted.as_ref()
+    }
+
     /// Every worker, saved by its own thread once the events queued before this call are
     /// applied (and none queued after): the state those events leave, at no pause of ingest.
     pub fn save(&self) -> Receiver<SavedWorker> {
@@ -265,6 +349,20 @@ impl<I: KvIndex> ApplyPool<I> {
 struct Writers<W> {
     device: W,
     others: TierWriters<W>,
+    /// A routed-only worker's announced blocks (its device blocks are these, and only these).
+    routed: Option<Announced>,
+}
+
+/// An apply thread's share of announced placements.
+struct AnnounceState<I: KvIndex> {
+    /// Settings, shared by the threads.
+    cfg: Arc<Announcing<I>>,
+    /// Predicted blocks of all threads, against the total bound.
+    total: Arc<AtomicU64>,
+    /// Predictions of this thread's workers, each with its writer in the predicted index.
+    predicted: SeededMap<WorkerId, (Announced, I::Writer)>,
+    /// The thread's clock: announcement times are ms since it started.
+    started: std::time::Instant,
 }
 
 /// The writers of `worker`, created on its first command. `None` when the registry is full:
@@ -281,7 +379,7 @@ fn writers_of<'a, I: KvIndex>(
     match writers.entry(worker) {
         std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
         std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
-            Ok(w) => Some(v.insert(Writers { device: w, others: TierWriters::default() })),
+            Ok(w) => Some(v.insert(Writers { device: w, others: TierWriters::default(), routed: None })),
             Err(_) => {
                 let out = ApplyOutcome { refused, ..ApplyOutcome::default() };
                 total.lock().add(&out);
@@ -297,12 +395,19 @@ fn writers_of<'a, I: KvIndex>(
 fn apply_loop<I: KvIndex>(
     index: &I,
     others: Option<&OtherTiers<I>>,
+    announcing: Option<(Arc<Announcing<I>>, Arc<AtomicU64>)>,
     rx: Receiver<Command>,
     total: &Mutex<ApplyOutcome>,
     stats: &PoolStats,
     hook: Option<OnApplied>,
 ) {
     let mut writers: SeededMap<WorkerId, Writers<I::Writer>> = SeededMap::default();
+    let mut announced = announcing.map(|(cfg, total)| AnnounceState {
+        cfg,
+        total,
+        predicted: SeededMap::default(),
+        started: std::time::Instant::now(),
+    });
     for cmd in rx {
         match cmd {
             Command::Apply { worker, events, tag } => {
@@ -328,7 +433,22 @@ fn apply_loop<I: KvIndex>(
                     h(worker, &out, tag, taken);
                 }
             }
+            Command::Announce { worker, locals } => {
+                if let Some(a) = announced.as_mut() {
+                    announce(index, a, &mut writers, worker, &locals, total, &hook);
+                }
+            }
+            Command::Expire => {
+                if let Some(a) = announced.as_mut() {
+                    expire(index, others, a, &mut writers, total);
+                }
+            }
             Command::RemoveWorker(worker) => {
+                if let Some(a) = announced.as_mut() {
+                    if let Some((p, w)) = a.predicted.remove(&worker) {
+                        drop_predictions(a, worker, p, w);
+                    }
+                }
                 if let Some(w) = writers.remove(&worker) {
                     let out = index.remove_worker(w.device);
                     if let Some(others) = others {
@@ -338,7 +458,9 @@ fn apply_loop<I: KvIndex>(
                 }
             }
             Command::Save(tx) => {
-                for (&worker, w) in writers.iter() {
+                // Routed-only workers are soft state, rebuilt by the next announcements: a
+                // snapshot would bring back blocks without their ages.
+                for (&worker, w) in writers.iter().filter(|(_, w)| w.routed.is_none()) {
                     let tiers = others.map(|o| o.save(&w.others)).unwrap_or_default();
                     let _ = tx.send(SavedWorker { worker, device: index.save(&w.device), tiers });
                 }
@@ -346,7 +468,8 @@ fn apply_loop<I: KvIndex>(
             Command::Held(tx) => {
                 for (&worker, w) in writers.iter() {
                     let (host, disk) = others.map_or((0, 0), |o| o.held(&w.others));
-                    let _ = tx.send(WorkerHeld { worker, device: index.held(&w.device), host, disk, queued: 0 });
+                    let predicted = announced.as_ref().and_then(|a| a.predicted.get(&worker)).map_or(0, |p| p.0.len() as u64);
+                    let _ = tx.send(WorkerHeld { worker, device: index.held(&w.device), host, disk, predicted, queued: 0 });
                 }
             }
             Command::SaveOne(worker, tx) => {
@@ -376,6 +499,118 @@ fn apply_loop<I: KvIndex>(
                 let _ = done.send(());
             }
         }
+    }
+}
+
+/// Holds an announcement for `worker`: in the main index if it is routed-only, else as a
+/// prediction, within the total bound.
+fn announce<I: KvIndex>(
+    index: &I,
+    a: &mut AnnounceState<I>,
+    writers: &mut SeededMap<WorkerId, Writers<I::Writer>>,
+    worker: WorkerId,
+    locals: &[LocalHash],
+    total: &Mutex<ApplyOutcome>,
+    hook: &Option<OnApplied>,
+) {
+    let now = a.started.elapsed().as_millis() as u64;
+    let cfg = &a.cfg;
+    let tell = |routed: bool, out: &AnnounceOutcome, refused: bool| {
+        if let Some(h) = &cfg.on_announced {
+            h(worker, routed, out, refused);
+        }
+    };
+    if (cfg.routed_only)(worker.worker_id) {
+        let Some(w) = writers_of(writers, index, worker, 0, total, hook) else {
+            tell(true, &AnnounceOutcome { refused: locals.len() as u64, ..AnnounceOutcome::default() }, true);
+            return;
+        };
+        let routed = w.routed.get_or_insert_with(|| Announced::new(cfg.routed_only_capacity));
+        let out = routed.announce(index, &mut w.device, locals, now, usize::MAX);
+        tell(true, &out, false);
+        return;
+    }
+    let slot = match a.predicted.entry(worker) {
+        std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
+        std::collections::hash_map::Entry::Vacant(v) => match cfg.predicted.writer(worker) {
+            Ok(w) => Some(v.insert((Announced::new(cfg.predicted_capacity), w))),
+            Err(_) => None,
+        },
+    };
+    let Some((p, w)) = slot else {
+        tell(false, &AnnounceOutcome { refused: locals.len() as u64, ..AnnounceOutcome::default() }, true);
+        return;
+    };
+    // Threads announce at once: reserve room under the total bound first, give back the unused.
+    let (want, max) = (locals.len() as u64, cfg.predicted_total);
+    let before = a.total.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |t| Some(t + want.min(max.saturating_sub(t))));
+    let room = want.min(max.saturating_sub(before.unwrap_or(max)));
+    let out = p.announce(&*cfg.predicted, w, locals, now, room as usize);
+    a.total.fetch_sub(room - out.added + out.evicted, Ordering::Relaxed);
+    if p.is_empty() {
+        if let Some((p, w)) = a.predicted.remove(&worker) {
+            drop_predictions(a, worker, p, w);
+        }
+    }
+    tell(false, &out, false);
+}
+
+/// Drops what outlived its TTL: predictions, and routed-only workers' blocks; a worker left
+/// with none gives its slot back.
+fn expire<I: KvIndex>(
+    index: &I,
+    others: Option<&OtherTiers<I>>,
+    a: &mut AnnounceState<I>,
+    writers: &mut SeededMap<WorkerId, Writers<I::Writer>>,
+    total: &Mutex<ApplyOutcome>,
+) {
+    let now = a.started.elapsed().as_millis() as u64;
+    let cfg = a.cfg.clone();
+    let tell = |worker: WorkerId, routed: bool, out: &AnnounceOutcome| {
+        if let (Some(h), true) = (&cfg.on_announced, out.expired > 0) {
+            h(worker, routed, out, false);
+        }
+    };
+    let mut empty = Vec::new();
+    for (&worker, (p, w)) in a.predicted.iter_mut() {
+        let out = p.expire(&*cfg.predicted, w, now.saturating_sub(cfg.predicted_ttl_ms));
+        a.total.fetch_sub(out.expired, Ordering::Relaxed);
+        tell(worker, false, &out);
+        if p.is_empty() {
+            empty.push(worker);
+        }
+    }
+    for worker in empty.drain(..) {
+        if let Some((_, w)) = a.predicted.remove(&worker) {
+            cfg.predicted.remove_worker(w);
+        }
+    }
+    for (&worker, w) in writers.iter_mut() {
+        let Some(routed) = w.routed.as_mut() else { continue };
+        let out = routed.expire(index, &mut w.device, now.saturating_sub(cfg.routed_only_ttl_ms));
+        tell(worker, true, &out);
+        if routed.is_empty() {
+            empty.push(worker);
+        }
+    }
+    for worker in empty {
+        if let Some(w) = writers.remove(&worker) {
+            let out = index.remove_worker(w.device);
+            if let Some(others) = others {
+                others.remove_worker(w.others);
+            }
+            total.lock().add(&out);
+        }
+    }
+}
+
+/// Drops a worker's predictions and frees its slot in the predicted index.
+fn drop_predictions<I: KvIndex>(a: &AnnounceState<I>, worker: WorkerId, p: Announced, w: I::Writer) {
+    let held = p.len() as u64;
+    a.total.fetch_sub(held, Ordering::Relaxed);
+    a.cfg.predicted.remove_worker(w);
+    if let (Some(h), true) = (&a.cfg.on_announced, held > 0) {
+        h(worker, false, &AnnounceOutcome { expired: held, ..AnnounceOutcome::default() }, false);
     }
 }
 

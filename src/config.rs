@@ -47,6 +47,22 @@ pub struct Config {
     pub subscription_capacity: usize,
     /// Seconds without a batch (events or heartbeat) after which a worker is dropped (0: never).
     pub worker_ttl: u64,
+    /// Seconds a placement a router announced on `{prefix}.routed` is held as predicted, until
+    /// the engine's events show it (0: predictions are not kept).
+    pub predicted_ttl: f64,
+    /// The most predicted blocks one worker holds (least recently announced go first).
+    pub predicted_max_blocks: u64,
+    /// The most predicted blocks all workers hold together; past it announcements are refused.
+    pub predicted_max_total: u64,
+    /// Routed-only workers (approximate mode): engines that publish no events, whose blocks are
+    /// what routers announce for them. Their matches are flagged `approximate`.
+    pub routed_only_workers: Vec<u64>,
+    /// Every worker of this prefix is routed-only.
+    pub routed_only_all: bool,
+    /// The most blocks a routed-only worker holds: its engine's prefix cache, in blocks.
+    pub routed_only_capacity: u64,
+    /// Seconds a routed-only worker's block is held after its last announcement.
+    pub routed_only_ttl: f64,
     /// Where events are read from: `core` (a NATS subscription; a restarted daemon rebuilds
     /// from the publishers' snapshots) or `jetstream` (a stream that keeps them: a restarted
     /// daemon replays it and is whole without any publisher's help).
@@ -180,6 +196,13 @@ impl Default for Config {
             queue_capacity: 1024,
             subscription_capacity: 65536,
             worker_ttl: 30,
+            predicted_ttl: 5.0,
+            predicted_max_blocks: 65_536,
+            predicted_max_total: 1 << 20,
+            routed_only_workers: Vec::new(),
+            routed_only_all: false,
+            routed_only_capacity: 65_536,
+            routed_only_ttl: 120.0,
             ingest: Ingest::Core,
             stream: String::new(),
             stream_max_age: 3600,
@@ -324,6 +347,12 @@ impl Config {
         if self.inspect_token.as_ref().is_some_and(|t| t.is_empty() || t.contains(char::is_whitespace)) {
             return bad("inspect_token", "must be non-empty, without spaces");
         }
+        if !(0.0..=86_400.0).contains(&self.predicted_ttl) || !(0.0..=86_400.0).contains(&self.routed_only_ttl) {
+            return bad("predicted_ttl", "predicted_ttl and routed_only_ttl: 0 to 86400 seconds");
+        }
+        if self.predicted_max_blocks == 0 || self.routed_only_capacity == 0 {
+            return bad("predicted_max_blocks", "predicted_max_blocks and routed_only_capacity: at least 1");
+        }
         if self.queue_capacity == 0 {
             return bad("queue_capacity", "must be at least 1");
         }
@@ -352,6 +381,11 @@ impl Config {
             return bad("nats_tls_cert", "nats_tls_cert and nats_tls_key go together");
         }
         Ok(())
+    }
+
+    /// Whether `worker_id` is routed-only (approximate mode).
+    pub fn routed_only(&self, worker_id: u64) -> bool {
+        self.routed_only_all || self.routed_only_workers.contains(&worker_id)
     }
 
     /// The JetStream stream's name: `stream`, or derived from the prefix (`kv` -> `KV_EVENTS`).

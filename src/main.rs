@@ -377,6 +377,10 @@ struct DemoArgs {
     /// Subject prefix of kvindex.
     #[arg(long, default_value = "kv")]
     prefix: String,
+    /// Skip the bursts after the trace (requests sharing a new prefix, routed with and without
+    /// predicted placements).
+    #[arg(long)]
+    no_burst: bool,
     /// Play the trace again and again until interrupted (a load generator for dashboards).
     #[arg(long = "loop")]
     repeat: bool,
@@ -603,11 +607,12 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
         load_weight: a.load_weight,
         seed: a.seed,
         repeat: a.repeat,
+        burst: !a.no_burst,
         live: if a.json { tools::demo::Live::Off } else { tools::demo::live_for_stdout() },
     };
     if !a.json {
         println!(
-            "kvindex demo: {} requests of {}, at {}x; one fleet of {} workers routed by kvindex, three routed without it",
+            "kvindex demo: {} requests of {}, at {}x; fleets of {} workers routed by kvindex (by events; by announcements alone) and without it",
             trace.len(),
             a.trace.display(),
             cfg.speed,

@@ -54,6 +54,9 @@ pub struct Metrics {
     pub index_workers: IntGauge,
     pub nats_connected: IntGauge,
     pub nats_events: IntCounterVec,
+    pub announcements: IntCounterVec,
+    pub announced_blocks: IntCounterVec,
+    pub predicted_blocks: IntGauge,
     /// Children of the vectors above that the hot paths (ingest, apply, lookup) update,
     /// resolved once instead of by label on every event.
     pub hot: HotMetrics,
@@ -230,6 +233,19 @@ impl Metrics {
                 "Publisher restarts seen (new epoch: the worker was cleared).",
             ),
             workers_expired: counter(&r, "kvindex_workers_expired_total", "Workers dropped after being silent past the TTL."),
+            announcements: counter_vec(
+                &r,
+                "kvindex_announcements_total",
+                "Placements routers announced on {prefix}.routed, by result (applied; bad: undecodable or out of bounds, counted with its reason under decode failures; ignored: predictions are off).",
+                &["result"],
+            ),
+            announced_blocks: counter_vec(
+                &r,
+                "kvindex_announced_blocks_total",
+                "Announced blocks by mode (predicted, routed_only) and change (added; evicted: past the worker's capacity; expired: past the TTL or the worker gone; refused: past a bound or no worker slot).",
+                &["mode", "change"],
+            ),
+            predicted_blocks: gauge(&r, "kvindex_predicted_blocks", "Predicted blocks held for all workers (announced, within predicted_ttl)."),
             apply_queue_depth,
             tier_blocks,
             tier_unplaceable_blocks: counter(

@@ -1,7 +1,8 @@
 //! `kvindex demo` in short: the closed loop of router, mock engines and kvindex against a real
 //! nats-server, on the shipped trace. KV-aware routing must beat round-robin and random on
 //! prefix-cache hits, and come as close to the oracle (which reads the caches) as exact
-//! answers allow.
+//! answers allow; approximate mode (announcements alone) must beat round-robin, and bursts
+//! sharing a new prefix must hit more with predicted placements than without.
 
 // The CLI's tooling (demo, mock engine, harness), included by path: part of the binary, not
 // library API.
@@ -30,6 +31,7 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
         seed: 42,
         repeat: false,
         live: Live::Off,
+        burst: true,
     };
     let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs");
     let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
@@ -42,4 +44,16 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
     assert!(kv >= oracle * 0.9, "kv-aware {kv} falls short of the oracle {oracle}");
     let total: f64 = report.fleets[0].requests_per_worker_mean * cfg.workers as f64;
     assert_eq!(total.round() as u64, 2000);
+
+    // Approximate mode: engines without events, kvindex answering from announcements alone.
+    let approximate = rate(Policy::Approximate);
+    println!("approximate mode {approximate:.3}");
+    assert!(approximate > rr * 2.0, "approximate mode {approximate} does not beat round-robin {rr}");
+
+    // Bursts sharing a new prefix: announced placements keep them together.
+    let burst = report.burst.expect("the bursts ran");
+    let (with, without) = (&burst.with_predictions, &burst.events_only);
+    println!("bursts: with predictions {:.3}, events only {:.3}", with.hit_rate, without.hit_rate);
+    assert!(with.hit_rate > without.hit_rate + 0.3, "predictions {} against events only {}", with.hit_rate, without.hit_rate);
+    assert!(with.prefill_tokens_saved > without.prefill_tokens_saved);
 }

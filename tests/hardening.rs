@@ -151,7 +151,7 @@ async fn a_chain_past_max_depth_is_ignored_without_a_resync_storm() {
     let m = matches(&c, &[1, 2, 3, 4, 5, 6, 7, 8]).await;
     assert_eq!(
         m,
-        vec![MatchEntry { worker_id: 5, dp_rank: 0, blocks: 4, stale: false, tiers: Default::default() }],
+        vec![MatchEntry { worker_id: 5, dp_rank: 0, blocks: 4, stale: false, tiers: Default::default(), ..Default::default() }],
         "whole, not stale"
     );
     assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 0.0);
@@ -177,7 +177,7 @@ async fn the_resync_backoff_holds_while_a_publisher_keeps_sending_what_cannot_be
     assert_eq!(d.metric("kvindex_unplaceable_blocks_total").await, 30.0);
     assert_eq!(
         matches(&c, &[1]).await,
-        vec![MatchEntry { worker_id: 6, dp_rank: 0, blocks: 1, stale: true, tiers: Default::default() }]
+        vec![MatchEntry { worker_id: 6, dp_rank: 0, blocks: 1, stale: true, tiers: Default::default(), ..Default::default() }]
     );
     d.stop().await.unwrap();
 }

@@ -101,7 +101,14 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     let r = req.clone();
     let over_http = blocking(move || a2.lookup(&r)).await.unwrap();
     assert_eq!(over_http, over_nats);
-    let entry = |worker_id, blocks, stale| MatchEntry { worker_id, dp_rank: 0, blocks, stale, tiers: Default::default() };
+    let entry = |worker_id, blocks, stale| MatchEntry {
+        worker_id,
+        dp_rank: 0,
+        blocks,
+        stale,
+        tiers: Default::default(),
+        ..Default::default()
+    };
     assert_eq!(
         over_http,
         LookupResponse::Matches { matches: vec![entry(1, 3, false), entry(2, 1, true)], stale_workers: vec![] }

@@ -35,13 +35,25 @@ async fn ranked_answers_by_tokens_and_hashes() {
     let _b = engine(&client, 2, 1, &tokens, 6, None).await;
     let _lora = engine(&client, 3, 0, &tokens, 8, Some("sql-adapter")).await;
     let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(5));
-    let m = |worker_id, dp_rank, blocks| MatchEntry { worker_id, dp_rank, blocks, stale: false, tiers: Default::default() };
+    let m = |worker_id, dp_rank, blocks| MatchEntry {
+        worker_id,
+        dp_rank,
+        blocks,
+        stale: false,
+        tiers: Default::default(),
+        ..Default::default()
+    };
 
     let base = Query::tokens(&tokens, BLOCK);
     let got = eventually(10, || async { lookups.lookup(&base).await.ok().map(|a| a.matches).filter(|v| v.len() == 2) }).await;
     assert_eq!(got, Some(vec![m(2, 1, 6), m(1, 0, 3)]), "deepest first; the LoRA worker is not a match");
 
-    let lora = lookups.lookup(&Query::tokens(&tokens, BLOCK).with_lora("sql-adapter")).await.unwrap();
+    let adapter = Query::tokens(&tokens, BLOCK).with_lora("sql-adapter");
+    let lora = eventually(10, || async {
+        lookups.lookup(&adapter).await.ok().filter(|a| a.matches.len() == 1 && a.matches[0].blocks == 8)
+    })
+    .await;
+    let lora = lora.expect("the adapter's worker is applied");
     assert_eq!(lora.matches, vec![m(3, 0, 8)], "only the adapter's blocks match its requests");
     assert!(lora.stale_workers.is_empty());
 

@@ -56,7 +56,8 @@ async fn each_party_can_do_its_job_and_nothing_else() {
     let router = connect(&url, "router", "r-secret").await;
     let lookups = LookupClient::new(router.clone(), "kv").with_timeout(Duration::from_secs(2));
     let q = Query::hashes(&[LocalHash(1), LocalHash(2)]);
-    let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default() }];
+    let one =
+        vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default(), ..Default::default() }];
     let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
     assert!(seen.is_some(), "kvindex, engine and router work under their roles");
 
@@ -97,6 +98,12 @@ async fn each_party_can_do_its_job_and_nothing_else() {
     let deeper = lookups.lookup(&Query::hashes(&[LocalHash(1), LocalHash(2), LocalHash(3)])).await.unwrap();
     assert_eq!(deeper.matches, one, "the router's forged third block is not there");
     assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0, "nothing forged reached worker 1's sequence");
+
+    // The router may announce where it sent a request; kvindex hears it under its role.
+    let sent = Query::hashes(&[LocalHash(1), LocalHash(2), LocalHash(3)]);
+    lookups.announce_applied(&sent, 1, 0).await.expect("the router announces");
+    let predicted = lookups.lookup(&sent).await.unwrap().matches;
+    assert_eq!(predicted, vec![MatchEntry { worker_id: 1, blocks: 2, predicted_blocks: Some(3), ..Default::default() }]);
     d.stop().await.unwrap();
 }
 
@@ -119,7 +126,8 @@ async fn durable_mode_works_under_its_role_and_nobody_else_touches_the_stream() 
     let router = connect(&url, "router", "r-secret").await;
     let lookups = LookupClient::new(router.clone(), "kv").with_timeout(Duration::from_secs(2));
     let q = Query::hashes(&[LocalHash(1), LocalHash(2)]);
-    let one = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default() }];
+    let one =
+        vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 2, stale: false, tiers: Default::default(), ..Default::default() }];
     let seen = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches == one) }).await;
     assert!(seen.is_some(), "kvindex reads its stream under its role");
     // A refused request times out (10 s), so every attempt runs at once.

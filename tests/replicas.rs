@@ -63,7 +63,8 @@ async fn a_restarted_replica_answers_only_once_rebuilt() {
     slow_publisher(client.clone()).await;
     let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(2));
     let query = Query::hashes(&CHAIN.map(|(_, l)| LocalHash(l)));
-    let truth = vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 3, stale: false, tiers: Default::default() }];
+    let truth =
+        vec![MatchEntry { worker_id: 1, dp_rank: 0, blocks: 3, stale: false, tiers: Default::default(), ..Default::default() }];
     let settled = eventually(10, || async { lookups.lookup(&query).await.ok().filter(|a| a.matches == truth) }).await;
     assert!(settled.is_some(), "replica A knows worker 1");
 

@@ -43,7 +43,7 @@ fn answer(matches: Vec<MatchEntry>) -> LookupResponse {
 }
 
 fn entry(worker_id: u64, blocks: u32, stale: bool) -> MatchEntry {
-    MatchEntry { worker_id, dp_rank: 0, blocks, stale, tiers: Default::default() }
+    MatchEntry { worker_id, dp_rank: 0, blocks, stale, tiers: Default::default(), ..Default::default() }
 }
 
 /// Waits until the lookup answers `want`.

@@ -34,7 +34,7 @@ fn ask(locals: &[u64], tiers: &[&str]) -> LookupRequest {
 }
 
 fn entry(worker_id: u64, blocks: u32, host: Option<u32>, disk: Option<u32>) -> MatchEntry {
-    MatchEntry { worker_id, dp_rank: 0, blocks, stale: false, tiers: TierDepths { host, disk } }
+    MatchEntry { worker_id, dp_rank: 0, blocks, stale: false, tiers: TierDepths { host, disk }, ..Default::default() }
 }
 
 async fn expect(c: &async_nats::Client, req: &LookupRequest, want: Vec<MatchEntry>) {

@@ -63,6 +63,12 @@ async def main(url: str, prefix: str) -> None:
                snapshot=True, snapshot_end=True)
     await expect({"block_hashes": [500, 501], **mine},
                  {"matches": [{"worker_id": worker, "dp_rank": 0, "blocks": 1, "stale": False}]})
+    # A router announces it sent a longer request to the worker (a request, so it can wait for
+    # the ack): predicted until the engine's events show it; `blocks` never counts it.
+    routed = {"worker_id": worker, "dp_rank": 0, "block_hashes": [500, 501, 502]}
+    await nc.request(f"{prefix}.routed", msgpack.packb(routed), timeout=2)
+    await expect({"block_hashes": [500, 501, 502], **mine},
+                 {"matches": [{"worker_id": worker, "dp_rank": 0, "blocks": 1, "stale": False, "predicted_blocks": 3}]})
     bad = await lookup({"tokens": [1, 2, 3]})
     assert "error" in bad, bad
     await send([{"event_id": 6, "data": "cleared"}])

@@ -97,6 +97,11 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id in canonical decimal"));
         return;
     };
+    // A routed-only worker's blocks are what routers announce: events would fight them.
+    if state.cfg.routed_only(subject_id) {
+        state.fail("routed_only", || format!("dropped events of worker {subject_id}: it is routed-only (routed_only_workers)"));
+        return;
+    }
     let EventBatch { header: h, events } = match decode_batch(payload) {
         Ok(b) => b,
         Err(e) => {
@@ -237,8 +242,13 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     } else if snapshot_done {
         // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
         // after this batch, unless something marks it stale again meanwhile.
+        // A snapshot opened and ended in this one batch is flagged too while it is applied:
+        // between its `cleared` and its stores the worker's state is partial.
+        if opened {
+            state.mark_stale_asked(w, "snapshot_in_progress");
+        }
         clear_after = state.stale.get(&w).map(|r| r.generation);
-    } else if opened && !h.snapshot_end {
+    } else if opened {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
         state.mark_stale_asked(w, "snapshot_in_progress");

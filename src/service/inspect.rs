@@ -23,7 +23,6 @@ use axum::Json;
 use kvindex_client::protocol::LookupRequest;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
-use kvindex_core::tiers::OtherTiers;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
@@ -36,7 +35,6 @@ const PAGE_MAX: usize = 10_000;
 struct Inspect<I: KvIndex> {
     state: Arc<State>,
     index: Arc<I>,
-    others: Arc<OtherTiers<I>>,
     pool: Arc<ApplyPool<I>>,
 }
 
@@ -58,12 +56,14 @@ impl Page {
     }
 }
 
-/// A worker's blocks per tier.
+/// A worker's blocks per tier, and those routers announced for it that its events have not
+/// shown yet.
 #[derive(Serialize)]
 struct Blocks {
     device: u64,
     host: u64,
     disk: u64,
+    predicted: u64,
 }
 
 /// Why a worker is stale.
@@ -139,6 +139,7 @@ async fn workers<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(page): Query<P
                     device: h.map_or(0, |h| h.device),
                     host: h.map_or(0, |h| h.host),
                     disk: h.map_or(0, |h| h.disk),
+                    predicted: h.map_or(0, |h| h.predicted),
                 },
                 epoch,
                 next_event_id: next_id,
@@ -254,7 +255,7 @@ async fn blocks<I: KvIndex>(
 
 async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Bytes) -> Response {
     let req = serde_json::from_slice::<LookupRequest>(&body).map_err(|e| format!("not a lookup request: {e}"));
-    let (resp, ok) = respond(&cx.state, &*cx.index, &cx.others, entries_that_fit(1 << 20), req);
+    let (resp, ok) = respond(&cx.state, &cx.pool, entries_that_fit(1 << 20), req);
     let status = if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST };
     (status, Json(resp)).into_response()
 }
@@ -281,11 +282,10 @@ pub(super) async fn inspect_server<I: KvIndex>(
     listener: tokio::net::TcpListener,
     state: Arc<State>,
     index: Arc<I>,
-    others: Arc<OtherTiers<I>>,
     pool: Arc<ApplyPool<I>>,
 ) {
     let token: Option<Arc<str>> = state.cfg.inspect_token.as_deref().map(Arc::from);
-    let cx = Arc::new(Inspect { state, index, others, pool });
+    let cx = Arc::new(Inspect { state, index, pool });
     let app = axum::Router::new()
         .route("/v1/workers", get(workers::<I>))
         .route("/v1/workers/{worker_id}/{dp_rank}/blocks", get(blocks::<I>))

@@ -7,8 +7,9 @@ use async_nats::Client;
 use futures::StreamExt;
 use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, TierDepths, WorkerRef};
 use kvindex_core::index::{KvIndex, MatchOptions};
-use kvindex_core::tiers::{find_tiered, OtherTiers, TieredMatch};
-use kvindex_core::Tier;
+use kvindex_core::seeded::SeededMap;
+use kvindex_core::tiers::{find_tiered, TieredMatch};
+use kvindex_core::{LocalHash, Tier, WorkerId};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -17,9 +18,9 @@ use std::time::Instant;
 /// Matches in an answer unless the request says otherwise: deepest first, so a router that
 /// picks among the best never misses one.
 const DEFAULT_MAX_MATCHES: usize = 64;
-/// Upper bound of one encoded match (with both tiers' depths) or stale worker, and of the
-/// answer's envelope (bytes).
-const ENTRY_BYTES: usize = 96;
+/// Upper bound of one encoded match (with both tiers' depths, a prediction and the
+/// approximate flag) or stale worker, and of the answer's envelope (bytes).
+const ENTRY_BYTES: usize = 128;
 
 /// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
 pub(super) fn entries_that_fit(max_payload: usize) -> usize {
@@ -33,8 +34,6 @@ pub(super) fn entries_that_fit(max_payload: usize) -> usize {
 pub(super) async fn lookup_membership<I: KvIndex>(
     client: Client,
     state: Arc<State>,
-    index: Arc<I>,
-    others: Arc<OtherTiers<I>>,
     pool: Arc<ApplyPool<I>>,
     subscribers: usize,
     mut stop: tokio::sync::watch::Receiver<bool>,
@@ -73,10 +72,7 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         let (leave, left) = tokio::sync::watch::channel(false);
         let tasks: Vec<_> = subs
             .into_iter()
-            .map(|sub| {
-                let (index, others) = (index.clone(), others.clone());
-                tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), index, others, room, left.clone()))
-            })
+            .map(|sub| tokio::spawn(serve_lookups(client.clone(), sub, state.clone(), pool.clone(), room, left.clone())))
             .collect();
         let stopping = tokio::select! {
             _ = async { ready.wait_for(|r| !*r).await.map(|_| ()) } => false,
@@ -101,8 +97,7 @@ pub(super) async fn serve_lookups<I: KvIndex>(
     client: Client,
     mut lookups: async_nats::Subscriber,
     state: Arc<State>,
-    index: Arc<I>,
-    others: Arc<OtherTiers<I>>,
+    pool: Arc<ApplyPool<I>>,
     room: usize,
     mut stop: tokio::sync::watch::Receiver<bool>,
 ) {
@@ -110,7 +105,7 @@ pub(super) async fn serve_lookups<I: KvIndex>(
         tokio::select! {
             _ = stop.changed() => break,
             msg = lookups.next() => match msg {
-                Some(msg) => answer(&client, &state, &*index, &others, room, msg).await,
+                Some(msg) => answer(&client, &state, &pool, room, msg).await,
                 None => break,
             },
         }
@@ -122,21 +117,20 @@ pub(super) async fn serve_lookups<I: KvIndex>(
 /// Answers one lookup request; an undecodable request gets an `error` reply. The answer is
 /// bounded: at most `max_matches` matches and, with the stale workers, never more than one
 /// NATS message holds (`room` entries).
-async fn answer<I: KvIndex>(
-    client: &Client,
-    state: &State,
-    index: &I,
-    others: &OtherTiers<I>,
-    room: usize,
-    msg: async_nats::Message,
-) {
+async fn answer<I: KvIndex>(client: &Client, state: &State, pool: &ApplyPool<I>, room: usize, msg: async_nats::Message) {
     let start = Instant::now();
-    let (resp, ok) = respond(state, index, others, room, LookupRequest::decode(&msg.payload));
+    let req = LookupRequest::decode(&msg.payload);
+    let routed = req.as_ref().ok().and_then(|r| r.routed(state.cfg.max_depth as usize));
+    let (resp, ok) = respond(state, pool, room, req);
     if let Some(reply) = msg.reply {
         if let Err(e) = client.publish(reply, resp.encode().into()).await {
             state.metrics.lookup_reply_failures.inc();
             state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
         }
+    }
+    // Every replica keeps the announcement, this one included: it goes out as a router's would.
+    if let (Some(routed), true) = (routed, ok) {
+        let _ = client.publish(format!("{}.routed", state.cfg.prefix), routed.encode().into()).await;
     }
     let hot = &state.metrics.hot;
     let (count, duration) =
@@ -150,45 +144,109 @@ async fn answer<I: KvIndex>(
 /// `max_matches` matches and, with the stale workers, `room` entries.
 pub(super) fn respond<I: KvIndex>(
     state: &State,
-    index: &I,
-    others: &OtherTiers<I>,
+    pool: &ApplyPool<I>,
     room: usize,
     req: Result<LookupRequest, String>,
 ) -> (LookupResponse, bool) {
     match req.and_then(|req| check(state, req)) {
         Ok((req, tiers)) => {
+            // A worker's snapshot cleared between reading its blocks and reading its flag
+            // would answer its partial state unflagged: a clear moves the generation, so
+            // answer again (each clear is one snapshot's end, so this ends at once).
             let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
             let mut opts =
                 MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize), max_matches: None };
-            let found: Vec<TieredMatch> = if tiers == [Tier::Device] {
+            if tiers == [Tier::Device] {
                 opts.max_matches = Some(limit);
-                let device = index.find_matches(&query, &opts);
-                device.into_iter().map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() }).collect()
-            } else {
-                let mut all = find_tiered(index, others, &tiers, &query, &opts);
-                all.truncate(limit);
-                all
-            };
-            let asked = |t: Tier, depth: u32| tiers.contains(&t).then_some(depth);
-            let matches: Vec<MatchEntry> = found
-                .iter()
-                .map(|m| MatchEntry {
-                    worker_id: m.worker.worker_id,
-                    dp_rank: m.worker.dp_rank,
-                    blocks: m.device,
-                    stale: state.stale.contains_key(&m.worker),
-                    tiers: TierDepths { host: asked(Tier::Host, m.host), disk: asked(Tier::Disk, m.disk) },
-                })
-                .collect();
-            let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());
-            (LookupResponse::Matches { matches, stale_workers }, true)
+            }
+            let ask = Ask { query: &query, opts: &opts, tiers: &tiers, limit, room };
+            let mut generation = state.stale_generation.load(Ordering::SeqCst);
+            for _ in 0..RACED_CLEARS {
+                let answer = matches(state, pool, &ask);
+                let now = state.stale_generation.load(Ordering::SeqCst);
+                if now == generation {
+                    return (answer, true);
+                }
+                generation = now;
+            }
+            (matches(state, pool, &ask), true)
         }
         Err(error) => {
             state.log.warn("bad_lookup", || format!("lookup request rejected: {error}"));
             (LookupResponse::Error { error }, false)
         }
     }
+}
+
+/// How many times a lookup answers again when stale flags were cleared while it answered.
+const RACED_CLEARS: usize = 3;
+
+/// One lookup, read from its request once however often it is answered.
+struct Ask<'a> {
+    /// The request's hashes, within `max_depth`.
+    query: &'a [LocalHash],
+    /// Its worker filter and limits, as the index takes them.
+    opts: &'a MatchOptions,
+    /// The tiers it asked for.
+    tiers: &'a [Tier],
+    /// The most matches it answers.
+    limit: usize,
+    /// Entries that fit in the reply (matches and stale workers together).
+    room: usize,
+}
+
+/// The matches for a lookup and the stale workers beside them.
+fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupResponse {
+    let Ask { query, opts, tiers, limit, room } = *ask;
+    let index = &**pool.index();
+    let mut found: Vec<TieredMatch> = if tiers == [Tier::Device] {
+        let device = index.find_matches(query, opts);
+        device.into_iter().map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() }).collect()
+    } else {
+        match pool.others() {
+            Some(others) => find_tiered(index, others, tiers, query, opts),
+            None => Vec::new(),
+        }
+    };
+    let predicted = predictions(pool, query, opts, &mut found);
+    found.truncate(limit);
+    let asked = |t: Tier, depth: u32| tiers.contains(&t).then_some(depth);
+    let matches: Vec<MatchEntry> = found
+        .iter()
+        .map(|m| MatchEntry {
+            worker_id: m.worker.worker_id,
+            dp_rank: m.worker.dp_rank,
+            blocks: m.device,
+            stale: state.stale.contains_key(&m.worker),
+            tiers: TierDepths { host: asked(Tier::Host, m.host), disk: asked(Tier::Disk, m.disk) },
+            predicted_blocks: predicted.get(&m.worker).map(|&p| p.max(m.device)),
+            approximate: state.cfg.routed_only(m.worker.worker_id),
+        })
+        .collect();
+    let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());
+    LookupResponse::Matches { matches, stale_workers }
+}
+
+/// Each worker's predicted depth where it reaches past its held one (held and announced
+/// blocks are both prefixes of the request, so their union is the deeper of the two); workers
+/// known only by their predictions join `found` after the rest, deepest prediction first.
+fn predictions<I: KvIndex>(
+    pool: &ApplyPool<I>,
+    query: &[LocalHash],
+    opts: &MatchOptions,
+    found: &mut Vec<TieredMatch>,
+) -> SeededMap<WorkerId, u32> {
+    let mut deeper = SeededMap::default();
+    let Some(predicted) = pool.predicted().filter(|_| pool.predicted_blocks() > 0) else { return deeper };
+    let all = MatchOptions { max_matches: None, ..opts.clone() };
+    deeper.extend(predicted.find_matches(query, &all).into_iter().map(|m| (m.worker, m.blocks)));
+    let listed: SeededMap<WorkerId, u32> = found.iter().map(|m| (m.worker, m.device)).collect();
+    deeper.retain(|w, p| listed.get(w).is_none_or(|&held| *p > held));
+    let mut only: Vec<(WorkerId, u32)> = deeper.iter().filter(|(w, _)| !listed.contains_key(w)).map(|(&w, &p)| (w, p)).collect();
+    only.sort_unstable_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
+    found.extend(only.into_iter().map(|(worker, _)| TieredMatch { worker, ..TieredMatch::default() }));
+    deeper
 }
 
 /// The limits a request must keep, and its tiers: a `workers` filter longer than the workers
@@ -232,7 +290,15 @@ mod tests {
         for max_payload in [4096usize, 1 << 20, 8 << 20] {
             let n = entries_that_fit(max_payload);
             let tiers = TierDepths { host: Some(u32::MAX), disk: Some(u32::MAX) };
-            let widest = MatchEntry { worker_id: u64::MAX, dp_rank: u32::MAX, blocks: u32::MAX, stale: true, tiers };
+            let widest = MatchEntry {
+                worker_id: u64::MAX,
+                dp_rank: u32::MAX,
+                blocks: u32::MAX,
+                stale: true,
+                tiers,
+                predicted_blocks: Some(u32::MAX),
+                approximate: true,
+            };
             let stale = WorkerRef { worker_id: u64::MAX, dp_rank: u32::MAX };
             for split in [0, n / 2, n] {
                 let answer =

@@ -5,6 +5,7 @@
 //! - this file: start-up, the shared state, the event loop, shutdown;
 //! - [`ingest`]: decoding batches and following each worker's event sequence;
 //! - [`lookup`]: answering routers;
+//! - [`routed`]: routers' announced placements (predictions, approximate mode);
 //! - [`recovery`]: resync requests, readiness after a rebuild, TTL expiry, NATS reconnects;
 //! - [`catch_up`]: whether a JetStream replica has caught up with its stream;
 //! - [`snapshot`]: JetStream mode's index snapshots in the NATS object store;
@@ -18,6 +19,7 @@ mod ingest;
 mod inspect;
 mod lookup;
 mod recovery;
+mod routed;
 mod snapshot;
 
 use crate::apply::{ApplyPool, OnApplied};
@@ -93,8 +95,9 @@ struct State {
     /// When the newest snapshot this replica wrote or loaded was written, in ns since the Unix
     /// epoch (0: none), for its age metric; wall-clock, since a loaded one may predate boot.
     snapshot_written: AtomicU64,
-    /// Bumped whenever a worker is marked stale, so that a stale flag cleared after its
-    /// snapshot is applied is not one set again meanwhile.
+    /// Bumped whenever a worker is marked stale or cleared: a stale flag cleared after its
+    /// snapshot is applied is not one set again meanwhile, and a lookup that raced a clear
+    /// answers again.
     stale_generation: AtomicU64,
 }
 
@@ -123,7 +126,7 @@ impl State {
     /// Marks `w` stale for `reason` under a new generation (so a clear pending from an
     /// earlier snapshot does not undo it); whether it was not stale before.
     fn mark(&self, w: WorkerId, asked: bool, reason: &'static str) -> bool {
-        let generation = self.stale_generation.fetch_add(1, Ordering::Relaxed) + 1;
+        let generation = self.stale_generation.fetch_add(1, Ordering::SeqCst) + 1;
         match self.stale.entry(w) {
             dashmap::mapref::entry::Entry::Vacant(v) => {
                 let asked = asked.then(Instant::now);
@@ -140,13 +143,17 @@ impl State {
     }
 
     /// Clears `w`'s stale flag if nothing marked it stale again since `generation` was read.
+    /// The generation moves first, so a lookup that saw the flag gone sees it moved too
+    /// (see `lookup::respond`).
     fn clear_stale_if(&self, w: WorkerId, generation: u64) {
+        self.stale_generation.fetch_add(1, Ordering::SeqCst);
         if self.stale.remove_if(&w, |_, r| r.generation == generation).is_some() {
             self.metrics.stale_workers.dec();
         }
     }
 
     fn clear_stale(&self, w: WorkerId) {
+        self.stale_generation.fetch_add(1, Ordering::SeqCst);
         if self.stale.remove(&w).is_some() {
             self.metrics.stale_workers.dec();
         }
@@ -515,8 +522,16 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             }
         })
     };
-    let pool =
-        Arc::new(ApplyPool::with_tiers(index.clone(), Some(others.clone()), cfg.apply_threads(), cfg.queue_capacity, Some(hook)));
+    let announcing = routed::announcing(&state, Arc::new(make()));
+    let threads = cfg.apply_threads();
+    let pool = Arc::new(ApplyPool::start(
+        index.clone(),
+        Some(others.clone()),
+        Some(announcing),
+        threads,
+        cfg.queue_capacity,
+        Some(hook),
+    ));
 
     let http = tokio::net::TcpListener::bind(&cfg.metrics_addr)
         .await
@@ -571,11 +586,11 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         tokio::spawn(recovery::resync_loop(client.clone(), state.clone(), resync_rx)),
         tokio::spawn(recovery::ttl_loop(state.clone(), pool.clone())),
         tokio::spawn(recovery::readiness_loop(state.clone())),
+        tokio::spawn(routed::routed_loop(client.clone(), state.clone(), pool.clone())),
         tokio::spawn(http::http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
-    let inspecting = inspect.map(|listener| {
-        tokio::spawn(inspect::inspect_server(listener, state.clone(), index.clone(), others.clone(), pool.clone()))
-    });
+    let inspecting =
+        inspect.map(|listener| tokio::spawn(inspect::inspect_server(listener, state.clone(), index.clone(), pool.clone())));
     // In the lookup queue group only while ready: a replica rebuilding its index (after a
     // start or a reconnect) leaves lookups to the complete ones.
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);
@@ -583,8 +598,6 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     let membership = lookup_rt.handle().spawn(lookup::lookup_membership(
         lookup_client.clone(),
         state.clone(),
-        index.clone(),
-        others.clone(),
         pool.clone(),
         subscribers,
         stopped,

@@ -6,7 +6,10 @@
 //!
 //! The same requests also go to three fleets simulated alike but routed without kvindex:
 //! round-robin, random, and an oracle that reads every cache directly (the best any index can
-//! do with this cost function; kvindex, being exact, should come close).
+//! do with this cost function; kvindex, being exact, should come close). With a kvindex of its
+//! own, a fifth fleet runs in approximate mode: its engines publish no events, its router
+//! announces each choice, and kvindex answers from the announcements alone. After the trace,
+//! [`super::burst`] shows what predicted placements do for bursts that share a new prefix.
 
 use crate::tools::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon};
 use crate::tools::trace::{chain_hashes, request_locals, PrefixCache, SplitMix64, TraceRequest};
@@ -48,6 +51,8 @@ pub struct DemoConfig {
     pub repeat: bool,
     /// How progress is shown.
     pub live: Live,
+    /// Run the burst scenario after the trace (with or without predictions).
+    pub burst: bool,
 }
 
 /// How a run shows progress while it runs.
@@ -67,6 +72,9 @@ pub enum Live {
 pub enum Policy {
     /// Asks kvindex: least (blocks to compute + load weight x active blocks).
     KvAware,
+    /// The same cost, kvindex answering from the router's announcements alone (the fleet's
+    /// engines publish no events: approximate mode).
+    Approximate,
     /// The same cost, the depths read from the caches themselves.
     Oracle,
     RoundRobin,
@@ -77,6 +85,7 @@ impl Policy {
     fn name(self) -> &'static str {
         match self {
             Policy::KvAware => "kv-aware (kvindex)",
+            Policy::Approximate => "kv-aware, no events",
             Policy::Oracle => "oracle (reads caches)",
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
@@ -108,14 +117,20 @@ pub struct DemoReport {
     pub lookup_rtt_p99_us: f64,
     /// Interrupted (Ctrl-C) before the trace ended.
     pub interrupted: bool,
+    /// Bursts of requests sharing a new prefix, routed with and without predictions.
+    pub burst: Option<super::burst::BurstReport>,
 }
 
 /// Simulated service time: prompt tokens computed per second, tokens decoded per second.
-const PREFILL_TOKENS_PER_S: f64 = 20_000.0;
+pub(super) const PREFILL_TOKENS_PER_S: f64 = 20_000.0;
 const DECODE_TOKENS_PER_S: f64 = 30.0;
 
+/// Worker ids of the approximate fleet: its worker `w` is `APPROXIMATE_BASE + w`, apart from
+/// the event-fed fleet's `0..workers`.
+const APPROXIMATE_BASE: u64 = 1_000_000;
+
 /// One fleet of workers: their caches, their load, what they served.
-struct Fleet {
+pub(super) struct Fleet {
     policy: Policy,
     caches: Vec<PrefixCache>,
     /// Requests in service per worker: (end time in trace ms, blocks held).
@@ -131,7 +146,7 @@ struct Fleet {
 }
 
 impl Fleet {
-    fn new(policy: Policy, workers: usize, seed: u64) -> Self {
+    pub(super) fn new(policy: Policy, workers: usize, seed: u64) -> Self {
         Fleet {
             policy,
             caches: (0..workers).map(|_| PrefixCache::default()).collect(),
@@ -148,7 +163,7 @@ impl Fleet {
     }
 
     /// Ends the requests finished by `now_ms`.
-    fn expire(&mut self, now_ms: u64) {
+    pub(super) fn expire(&mut self, now_ms: u64) {
         for (w, heap) in self.running.iter_mut().enumerate() {
             while let Some(Reverse((end, blocks))) = heap.peek().copied() {
                 if end > now_ms {
@@ -172,11 +187,11 @@ impl Fleet {
 
     /// Picks a worker for the request of engine hashes `engine`; `depths` are kvindex's
     /// answer, for the kv-aware fleet.
-    fn choose(&mut self, engine: &[u64], depths: &HashMap<usize, u64>, load_weight: f64) -> usize {
+    pub(super) fn choose(&mut self, engine: &[u64], depths: &HashMap<usize, u64>, load_weight: f64) -> usize {
         let n = self.caches.len();
         let blocks = engine.len() as u64;
         match self.policy {
-            Policy::KvAware => self.cheapest(|w| depths.get(&w).copied().unwrap_or(0), blocks, load_weight),
+            Policy::KvAware | Policy::Approximate => self.cheapest(|w| depths.get(&w).copied().unwrap_or(0), blocks, load_weight),
             Policy::Oracle => self.cheapest(|w| self.caches[w].hits(engine) as u64, blocks, load_weight),
             Policy::RoundRobin => {
                 self.next = (self.next + 1) % n;
@@ -187,7 +202,7 @@ impl Fleet {
     }
 
     /// Worker `w` serves the request; returns what its cache did.
-    fn serve(
+    pub(super) fn serve(
         &mut self,
         w: usize,
         req: &TraceRequest,
@@ -220,7 +235,7 @@ impl Fleet {
         }
     }
 
-    fn report(&self) -> FleetReport {
+    pub(super) fn report(&self) -> FleetReport {
         let total: u64 = self.requests.iter().sum();
         FleetReport {
             policy: self.policy,
@@ -315,6 +330,8 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
                 prefix: cfg.prefix.clone(),
                 metrics_addr: format!("127.0.0.1:{}", free_port()?),
                 inspect_addr: format!("127.0.0.1:{}", free_port()?),
+                routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
+                routed_only_capacity: cfg.capacity as u64,
                 ..Config::default()
             };
             let d = Daemon::start(daemon_cfg).await.context("starting kvindex serve")?;
@@ -329,10 +346,15 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         publishers.push(Publisher::start(nats.clone(), PublisherConfig::new(&cfg.prefix, w, 0)).await?);
     }
     let router = LookupClient::new(async_nats::connect(&url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
-    let mut fleets: Vec<Fleet> = [Policy::KvAware, Policy::Oracle, Policy::RoundRobin, Policy::Random]
+    // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
+    let own = daemon.is_some();
+    let mut fleets: Vec<Fleet> = [Policy::KvAware, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
         .into_iter()
+        .filter(|&p| own || p != Policy::Approximate)
         .map(|p| Fleet::new(p, workers, cfg.seed))
         .collect();
+    let event_fed: Vec<u64> = (0..cfg.workers).collect();
+    let routed_only: Vec<u64> = (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect();
     let mut rtt = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
     let mut lookup_errors = 0u64;
     let span_ms = trace.last().map_or(0, |r| r.timestamp) + 3_000;
@@ -374,7 +396,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
             let engine = chain_hashes(&locals);
             let hashes: Vec<LocalHash> = locals.iter().map(|&l| LocalHash(l)).collect();
             let t = Instant::now();
-            let depths: HashMap<usize, u64> = match router.lookup(&Query::hashes(&hashes)).await {
+            let depths: HashMap<usize, u64> = match router.lookup(&Query::hashes(&hashes).only_workers(&event_fed)).await {
                 Ok(answer) => {
                     let _ = rtt.record(t.elapsed().as_nanos() as u64);
                     answer
@@ -392,10 +414,20 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
                     HashMap::new()
                 }
             };
+            let approximate = if own { routed_depths(&router, &hashes, &routed_only).await } else { HashMap::new() };
             for fleet in fleets.iter_mut() {
                 fleet.expire(now_ms);
-                let w = fleet.choose(&engine, &depths, cfg.load_weight);
+                let asked = if fleet.policy == Policy::Approximate { &approximate } else { &depths };
+                let w = fleet.choose(&engine, asked, cfg.load_weight);
                 let served = fleet.serve(w, req, &engine, cfg, now_ms);
+                if fleet.policy == Policy::Approximate {
+                    // No events: the router's word is all kvindex has (waited for, so the next
+                    // request's answer includes it).
+                    if let Err(e) = router.announce_applied(&Query::hashes(&hashes), APPROXIMATE_BASE + w as u64, 0).await {
+                        tracing::warn!("announcement failed: {e}");
+                    }
+                    continue;
+                }
                 if fleet.policy != Policy::KvAware {
                     continue;
                 }
@@ -425,6 +457,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
     for p in &publishers {
         p.flush().await;
     }
+    let burst = if cfg.burst && !interrupted && !cfg.repeat { Some(super::burst::run(&nats, &router, cfg).await?) } else { None };
     if let Some(d) = daemon {
         d.stop().await?;
     }
@@ -437,7 +470,21 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
         interrupted,
+        burst,
     })
+}
+
+/// The approximate fleet's depths: kvindex's answer over its routed-only workers.
+async fn routed_depths(router: &LookupClient, hashes: &[LocalHash], routed_only: &[u64]) -> HashMap<usize, u64> {
+    match router.lookup(&Query::hashes(hashes).only_workers(routed_only)).await {
+        Ok(answer) => answer
+            .matches
+            .iter()
+            .filter(|m| m.worker_id >= APPROXIMATE_BASE)
+            .map(|m| ((m.worker_id - APPROXIMATE_BASE) as usize, m.blocks as u64))
+            .collect(),
+        Err(_) => HashMap::new(),
+    }
 }
 
 /// Draws the live view: the panel in place on a terminal, a line every five seconds in logs.
@@ -497,5 +544,8 @@ pub fn table(r: &DemoReport, cfg: &DemoConfig) -> String {
         "\nkvindex lookups: {} answered, {} failed; round trip p50 {:.0} us, p99 {:.0} us\n",
         r.lookups, r.lookup_errors, r.lookup_rtt_p50_us, r.lookup_rtt_p99_us
     );
+    if let Some(b) = &r.burst {
+        s += &super::burst::table(b);
+    }
     s
 }

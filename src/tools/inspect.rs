@@ -96,8 +96,8 @@ pub fn read_tokens(path: &std::path::Path) -> Result<Vec<u32>> {
 /// The workers as a table, then the workers dropped lately.
 pub fn workers_table(all: &[Value]) -> String {
     let mut s = format!(
-        "{:>20} {:>5} {:>10} {:>8} {:>8} {:>20} {:>12} {:>10} {:>7}  {}\n",
-        "worker", "rank", "device", "host", "disk", "epoch", "next event", "heard ms", "queued", "stale"
+        "{:>20} {:>5} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
+        "worker", "rank", "device", "host", "disk", "predicted", "epoch", "next event", "heard ms", "queued", "stale"
     );
     let mut expired = &Vec::new();
     for w in all {
@@ -115,12 +115,13 @@ pub fn workers_table(all: &[Value]) -> String {
             ),
         };
         s += &format!(
-            "{:>20} {:>5} {:>10} {:>8} {:>8} {:>20} {:>12} {:>10} {:>7}  {}\n",
+            "{:>20} {:>5} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
             w["worker_id"],
             w["dp_rank"],
             w["blocks"]["device"],
             w["blocks"]["host"],
             w["blocks"]["disk"],
+            w["blocks"]["predicted"],
             w["epoch"],
             w["next_event_id"].as_u64().map_or("-".into(), |n| n.to_string()),
             w["last_heard_ms"],

@@ -14,6 +14,7 @@
 //! - [`e2e`]: `kvindex e2e`: NATS, the daemon, mock engines and a router on one machine.
 //! - [`demo`]: `kvindex demo`: a closed loop of router, mock engines and kvindex, showing the
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
+//! - [`burst`]: the demo's bursts sharing a new prefix, routed with and without predictions.
 //! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
 //! - [`shards`]: `kvindex shards`: a partitioned index simulated on traces (docs/SCALING.md).
 //! - `peers`: smg's and NVIDIA Dynamo's indexes behind kvindex's index trait, so `bench`
@@ -23,6 +24,7 @@
 pub mod alloc;
 pub mod bench;
 pub mod bridge_bench;
+pub mod burst;
 pub mod demo;
 pub mod e2e;
 pub mod flood;

@@ -171,6 +171,7 @@ pub fn truth<'a>(engines: impl IntoIterator<Item = &'a ModelEngine>, q: &[u64]) 
             blocks: e.prefix_len(q),
             stale: false,
             tiers: Default::default(),
+            ..Default::default()
         })
         .filter(|m| m.blocks > 0)
         .collect();

@@ -24,5 +24,5 @@ pub mod publisher;
 pub use error::ClientError;
 pub use kvindex_core as core;
 pub use lookup::{Answer, LookupClient, Query};
-pub use protocol::{MatchEntry, WorkerRef};
+pub use protocol::{MatchEntry, Routed, WorkerRef};
 pub use publisher::{Publisher, PublisherConfig};

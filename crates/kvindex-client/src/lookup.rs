@@ -16,7 +16,7 @@
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, WorkerRef};
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, Routed, WorkerRef};
 use async_nats::{Client, RequestErrorKind, Subject};
 use kvindex_core::LocalHash;
 use std::time::Duration;
@@ -78,6 +78,27 @@ impl Query {
         self.request.max_matches = Some(n);
         self
     }
+
+    /// Says, with the lookup, that the request goes to this worker: kvindex announces it as
+    /// [`LookupClient::announce`] would, once it has answered.
+    pub fn route_to(mut self, worker_id: u64, dp_rank: u32) -> Query {
+        self.request.route_to = Some(WorkerRef { worker_id, dp_rank });
+        self
+    }
+
+    /// The announcement that this query's request went to `worker_id`, rank `dp_rank`.
+    fn routed(&self, worker_id: u64, dp_rank: u32) -> Routed {
+        let r = &self.request;
+        Routed {
+            worker_id,
+            dp_rank,
+            block_hashes: r.block_hashes.clone(),
+            tokens: r.tokens.clone(),
+            block_size: r.block_size,
+            lora_name: r.lora_name.clone(),
+            salt: r.salt.clone(),
+        }
+    }
 }
 
 /// kvindex's answer to one lookup.
@@ -105,6 +126,8 @@ pub struct LookupClient {
     client: Client,
     /// `{prefix}.lookup`, built once.
     subject: Subject,
+    /// `{prefix}.routed`, where announcements go.
+    routed: Subject,
     /// How long one lookup may take before [`ClientError::Timeout`].
     timeout: Duration,
 }
@@ -113,7 +136,12 @@ impl LookupClient {
     /// A client for the kvindex serving `prefix` (one prefix per model or deployment), with a
     /// 100 ms timeout: a router should fall back to load-only routing rather than wait.
     pub fn new(client: Client, prefix: &str) -> LookupClient {
-        LookupClient { client, subject: format!("{prefix}.lookup").into(), timeout: Duration::from_millis(100) }
+        LookupClient {
+            client,
+            subject: format!("{prefix}.lookup").into(),
+            routed: format!("{prefix}.routed").into(),
+            timeout: Duration::from_millis(100),
+        }
     }
 
     /// Sets the per-lookup timeout.
@@ -141,6 +169,30 @@ impl LookupClient {
             Ok(LookupResponse::Matches { matches, stale_workers }) => Ok(Answer { matches, stale_workers }),
             Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
             Err(e) => Err(ClientError::BadAnswer(e.to_string())),
+        }
+    }
+
+    /// Announces that the query's request was sent to worker `worker_id`, rank `dp_rank`
+    /// (fire and forget): until that engine's events show the blocks, or `predicted_ttl`
+    /// passes, kvindex answers them as the worker's `predicted_blocks`, so requests sharing the
+    /// new prefix find it. For a routed-only worker (approximate mode) they are its blocks.
+    pub async fn announce(&self, query: &Query, worker_id: u64, dp_rank: u32) -> Result<(), ClientError> {
+        let payload = query.routed(worker_id, dp_rank).encode();
+        self.client.publish(self.routed.clone(), payload.into()).await.map_err(|e| ClientError::Nats(e.to_string()))
+    }
+
+    /// As [`LookupClient::announce`], returning once a kvindex replica has applied it: that
+    /// replica's next answers include it (other replicas apply it on their own time).
+    pub async fn announce_applied(&self, query: &Query, worker_id: u64, dp_rank: u32) -> Result<(), ClientError> {
+        let payload = query.routed(worker_id, dp_rank).encode();
+        let asked = self.client.request(self.routed.clone(), payload.into());
+        match tokio::time::timeout(self.timeout, asked).await {
+            Err(_) => Err(ClientError::Timeout { subject: self.routed.to_string(), timeout_ms: self.timeout.as_millis() as u64 }),
+            Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {
+                Err(ClientError::NoKvindex { subject: self.routed.to_string() })
+            }
+            Ok(Err(e)) => Err(ClientError::Nats(e.to_string())),
+            Ok(Ok(_)) => Ok(()),
         }
     }
 

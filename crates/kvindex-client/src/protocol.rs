@@ -632,6 +632,10 @@ pub struct LookupRequest {
     /// `blocks`; the others come in its `tiers`. A worker matching in any asked tier is listed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tiers: Option<Vec<String>>,
+    /// "I am sending this request to this worker": kvindex announces it on `{prefix}.routed`
+    /// for every replica, as if the router had (see [`Routed`]), after answering.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub route_to: Option<WorkerRef>,
 }
 
 /// A 64-bit hash sent as an unsigned or a signed (two's complement) msgpack integer.
@@ -666,13 +670,8 @@ impl LookupRequest {
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let req: LookupRequest = rmp_serde::from_slice(bytes).map_err(|e| format!("undecodable lookup request: {e}"))?;
         req.tier_list()?;
-        match (&req.block_hashes, &req.tokens, req.block_size) {
-            (Some(_), None, _) => Ok(req),
-            (None, Some(_), Some(bs)) if bs > 0 => Ok(req),
-            (None, Some(_), _) => Err("tokens need a block_size above 0".into()),
-            (Some(_), Some(_), _) => Err("give block_hashes or tokens, not both".into()),
-            (None, None, _) => Err("give block_hashes or tokens".into()),
-        }
+        check_blocks(req.block_hashes.is_some(), req.tokens.is_some(), req.block_size)?;
+        Ok(req)
     }
 
     /// The tiers asked for, in order, without repeats (device when none is named); an error
@@ -695,20 +694,99 @@ impl LookupRequest {
     /// The local hashes to match, at most `limit` (blocks past the index's depth limit can
     /// never match, so they are not hashed).
     pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
-        match (&self.block_hashes, &self.tokens) {
-            (Some(h), _) => h.iter().take(limit).map(|&h| LocalHash(h)).collect(),
-            (None, Some(t)) => {
-                let bs = self.block_size.unwrap_or(0) as usize;
-                let t = &t[..t.len().min(limit.saturating_mul(bs))];
-                local_hashes(t, bs, self.lora_name.as_deref(), self.salt.as_deref())
-            }
-            (None, None) => Vec::new(),
+        let (h, t, bs) = (&self.block_hashes, &self.tokens, self.block_size);
+        request_hashes(h.as_deref(), t.as_deref(), bs, self.lora_name.as_deref(), self.salt.as_deref(), limit)
+    }
+
+    /// The announcement `route_to` asks for: this request's blocks, hashed once here.
+    pub fn routed(&self, limit: usize) -> Option<Routed> {
+        let to = self.route_to?;
+        let hashes = self.local_hashes(limit).into_iter().map(|h| h.0).collect();
+        Some(Routed { worker_id: to.worker_id, dp_rank: to.dp_rank, block_hashes: Some(hashes), ..Routed::default() })
+    }
+}
+
+/// A request's blocks are given one way: hashes, or tokens with a block size above 0.
+fn check_blocks(hashes: bool, tokens: bool, block_size: Option<u32>) -> Result<(), String> {
+    match (hashes, tokens, block_size) {
+        (true, false, _) => Ok(()),
+        (false, true, Some(bs)) if bs > 0 => Ok(()),
+        (false, true, _) => Err("tokens need a block_size above 0".into()),
+        (true, true, _) => Err("give block_hashes or tokens, not both".into()),
+        (false, false, _) => Err("give block_hashes or tokens".into()),
+    }
+}
+
+/// A request's local hashes, given as hashes or as tokens with their block size, LoRA adapter
+/// and salt; at most `limit`.
+fn request_hashes(
+    hashes: Option<&[u64]>,
+    tokens: Option<&[u32]>,
+    block_size: Option<u32>,
+    lora_name: Option<&str>,
+    salt: Option<&str>,
+    limit: usize,
+) -> Vec<LocalHash> {
+    match (hashes, tokens) {
+        (Some(h), _) => h.iter().take(limit).map(|&h| LocalHash(h)).collect(),
+        (None, Some(t)) => {
+            let bs = block_size.unwrap_or(0) as usize;
+            let t = &t[..t.len().min(limit.saturating_mul(bs))];
+            local_hashes(t, bs, lora_name, salt)
         }
+        (None, None) => Vec::new(),
+    }
+}
+
+/// A router's announcement on `{prefix}.routed` (msgpack map): it sent a request with these
+/// blocks to this worker. kvindex holds them as predicted for that worker until its events
+/// show them or `predicted_ttl` passes (or, for a routed-only worker, as its blocks).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routed {
+    /// The engine instance the request went to.
+    pub worker_id: u64,
+    /// Its data-parallel rank.
+    #[serde(default)]
+    pub dp_rank: u32,
+    /// Local hashes of the request's blocks.
+    #[serde(default, skip_serializing_if = "Option::is_none", deserialize_with = "any_int_hashes")]
+    pub block_hashes: Option<Vec<u64>>,
+    /// Or its token ids, hashed with `block_size`, `lora_name` and `salt` as in a lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tokens: Option<Vec<u32>>,
+    /// Tokens per block, for `tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_size: Option<u32>,
+    /// The LoRA adapter, for `tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_name: Option<String>,
+    /// The cache salt, for `tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub salt: Option<String>,
+}
+
+impl Routed {
+    /// Decodes and checks an announcement; the error says what is wrong.
+    pub fn decode(bytes: &[u8]) -> Result<Self, String> {
+        let r: Routed = rmp_serde::from_slice(bytes).map_err(|e| format!("undecodable announcement: {e}"))?;
+        check_blocks(r.block_hashes.is_some(), r.tokens.is_some(), r.block_size)?;
+        Ok(r)
+    }
+
+    /// The msgpack bytes of the announcement.
+    pub fn encode(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// The announced blocks' local hashes, at most `limit`.
+    pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
+        let (h, t, bs) = (&self.block_hashes, &self.tokens, self.block_size);
+        request_hashes(h.as_deref(), t.as_deref(), bs, self.lora_name.as_deref(), self.salt.as_deref(), limit)
     }
 }
 
 /// One worker in a lookup answer.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct MatchEntry {
     /// The engine instance.
     pub worker_id: u64,
@@ -721,6 +799,15 @@ pub struct MatchEntry {
     /// Depths in the host and disk tiers, for a request that asked for them (`tiers`).
     #[serde(default, skip_serializing_if = "TierDepths::is_empty")]
     pub tiers: TierDepths,
+    /// The prefix it holds or was announced to receive (on `{prefix}.routed`, within
+    /// `predicted_ttl`), where announcements reach past `blocks`; a worker with `blocks` 0 is
+    /// listed for its predictions alone. Never counted in `blocks`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_blocks: Option<u32>,
+    /// A routed-only worker (approximate mode): its `blocks` are what routers announced for
+    /// it, not what its engine reported.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub approximate: bool,
 }
 
 /// A worker's contiguous match depth in the host and disk tiers; a tier the request did not
@@ -825,6 +912,25 @@ impl ResyncAck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn announcements_decode_as_lookups_do() {
+        let by_tokens = Routed { worker_id: 3, tokens: Some((0..40).collect()), block_size: Some(16), ..Routed::default() };
+        let back = Routed::decode(&by_tokens.encode()).unwrap();
+        assert_eq!(back.local_hashes(usize::MAX), local_hashes(&(0..40).collect::<Vec<_>>(), 16, None, None));
+        // Signed hashes (int64-only languages) read as their two's complement; dp_rank defaults to 0.
+        let signed = enc(Value::Map(vec![
+            (Value::from("worker_id"), Value::from(9)),
+            (Value::from("block_hashes"), Value::Array(vec![Value::from(-1), Value::from(5)])),
+        ]));
+        let back = Routed::decode(&signed).unwrap();
+        assert_eq!((back.worker_id, back.dp_rank), (9, 0));
+        assert_eq!(back.local_hashes(1), vec![LocalHash(u64::MAX)]);
+        for bad in [Routed { worker_id: 1, ..Routed::default() }, Routed { tokens: Some(vec![1]), ..Routed::default() }] {
+            assert!(Routed::decode(&bad.encode()).is_err(), "{bad:?}");
+        }
+        assert!(Routed::decode(b"\xc1").is_err());
+    }
 
     use rmpv::Value;
 
@@ -1009,7 +1115,14 @@ mod tests {
 
     #[test]
     fn responses_are_msgpack_maps() {
-        let one = vec![MatchEntry { worker_id: 3, dp_rank: 0, blocks: 9, stale: false, tiers: Default::default() }];
+        let one = vec![MatchEntry {
+            worker_id: 3,
+            dp_rank: 0,
+            blocks: 9,
+            stale: false,
+            tiers: Default::default(),
+            ..Default::default()
+        }];
         let ok = LookupResponse::Matches { matches: one.clone(), stale_workers: vec![] };
         let v = rmpv::decode::read_value(&mut &ok.encode()[..]).unwrap();
         let matches = field(v.as_map().unwrap(), "matches").unwrap().as_array().unwrap();

@@ -13,6 +13,8 @@
 //! - [`seeded`]: hashing keyed with a per-process random seed, for every table keyed by
 //!   values that publishers or routers choose (hash-flooding resistance).
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
+//! - [`announced`]: placements a router announces, per worker, under an LRU bound and a TTL
+//!   (predictions beside the held blocks, and approximate mode for engines without events).
 //! - [`tiers`]: host and disk tiers, each with an index of its own beside the device index.
 //! - [`index`]: the [`KvIndex`] trait and its backends: [`RunIndex`] (the default),
 //!   [`PositionalIndex`] and the [`ReferenceIndex`] model the tests compare both against.
@@ -47,6 +49,7 @@
 
 #![deny(missing_docs)]
 
+pub mod announced;
 pub mod event;
 pub mod hash;
 pub mod index;
