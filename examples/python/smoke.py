@@ -49,9 +49,11 @@ async def main(url: str, prefix: str) -> None:
     await send([{"event_id": 1, "data": {"removed": {"block_hashes": [9002]}}}])
     await expect({"block_hashes": [500, 501, 502, 503], **mine},
                  {"matches": [{"worker_id": worker, "dp_rank": 0, "blocks": 2, "stale": False}]})
-    # Skip event id 2: the worker turns stale and is asked to resync.
+    # Skip event id 2: the worker turns stale and is asked to resync; holding nothing, it is
+    # named among the stale workers so the empty answer is not taken for a true one.
     await send([{"event_id": 3, "data": "cleared"}])
-    await expect({"block_hashes": [500], **mine}, {"matches": []})
+    await expect({"block_hashes": [500], **mine},
+                 {"matches": [], "stale_workers": [{"worker_id": worker, "dp_rank": 0}]})
     for _ in range(100):
         if resyncs:
             break
