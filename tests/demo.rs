@@ -56,4 +56,6 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
     println!("bursts: with predictions {:.3}, events only {:.3}", with.hit_rate, without.hit_rate);
     assert!(with.hit_rate > without.hit_rate + 0.3, "predictions {} against events only {}", with.hit_rate, without.hit_rate);
     assert!(with.prefill_tokens_saved > without.prefill_tokens_saved);
+    // Kept together, yet not all on one worker: the router still weighs load.
+    assert!(burst.burst_max_with > 1 && burst.burst_max_with < burst.requests_per_burst as u64, "{}", burst.burst_max_with);
 }

@@ -66,7 +66,9 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     assert!(one["last_heard_ms"].as_u64().is_some_and(|ms| ms < 60_000));
     let two = by_worker(&all, 2).unwrap();
     assert_eq!(two["blocks"]["device"], 2, "the block past the gap was placed under its parent: {two}");
-    assert!(inspect::workers_table(&all).contains("event_gap"));
+    let table = inspect::workers_table(&all);
+    assert!(table.contains("event_gap"));
+    assert!(table.lines().any(|l| l.starts_with(&format!("{:>20} {:>5} ", 1, 0))), "rows line up under the header:\n{table}");
 
     // Worker 1's blocks, parents first, as a replay stream; in pages when asked.
     let mut dump = Vec::new();

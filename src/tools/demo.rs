@@ -136,7 +136,8 @@ pub(super) struct Fleet {
     /// Requests in service per worker: (end time in trace ms, blocks held).
     running: Vec<BinaryHeap<Reverse<(u64, u64)>>>,
     active_blocks: Vec<u64>,
-    requests: Vec<u64>,
+    /// Requests each worker served.
+    pub(super) requests: Vec<u64>,
     requested_blocks: u64,
     hit_blocks: u64,
     saved_tokens: u64,

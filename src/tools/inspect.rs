@@ -116,23 +116,24 @@ pub fn workers_table(all: &[Value]) -> String {
         };
         s += &format!(
             "{:>20} {:>5} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
-            w["worker_id"],
-            w["dp_rank"],
-            w["blocks"]["device"],
-            w["blocks"]["host"],
-            w["blocks"]["disk"],
-            w["blocks"]["predicted"],
-            w["epoch"],
+            // As strings: a JSON value's Display ignores the column widths.
+            w["worker_id"].to_string(),
+            w["dp_rank"].to_string(),
+            w["blocks"]["device"].to_string(),
+            w["blocks"]["host"].to_string(),
+            w["blocks"]["disk"].to_string(),
+            w["blocks"]["predicted"].to_string(),
+            w["epoch"].to_string(),
             w["next_event_id"].as_u64().map_or("-".into(), |n| n.to_string()),
-            w["last_heard_ms"],
-            w["queued"],
+            w["last_heard_ms"].to_string(),
+            w["queued"].to_string(),
             stale
         );
     }
     if !expired.is_empty() {
         s += "\ndropped for silence past worker_ttl, the newest first:\n";
         for e in expired {
-            s += &format!("{:>20} {:>5}  {} ms ago\n", e["worker_id"], e["dp_rank"], e["ago_ms"]);
+            s += &format!("{:>20} {:>5}  {} ms ago\n", e["worker_id"].to_string(), e["dp_rank"].to_string(), e["ago_ms"]);
         }
     }
     s
