@@ -230,7 +230,8 @@ pub fn medium_tier(medium: &str) -> Option<Tier> {
     match medium.to_ascii_uppercase().as_str() {
         "GPU" | "DEVICE" | "CUDA" => Some(Tier::Device),
         "CPU" | "CPU_PINNED" | "CPU_TIER1" => Some(Tier::Host),
-        "CPU_TIER2" | "DISK" | "EXTERNAL" => Some(Tier::Disk),
+        // vLLM 0.33 names its storage offload tier STORAGE.
+        "CPU_TIER2" | "DISK" | "EXTERNAL" | "STORAGE" => Some(Tier::Disk),
         _ => None,
     }
 }
@@ -334,6 +335,24 @@ fn lengths_fit(buf: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_medium_of_todays_engines_has_a_tier() {
+        for (medium, tier) in [
+            ("GPU", Tier::Device),
+            ("cuda", Tier::Device),
+            ("CPU", Tier::Host),
+            ("CPU_PINNED", Tier::Host),
+            ("CPU_TIER1", Tier::Host),
+            ("CPU_TIER2", Tier::Disk),
+            ("DISK", Tier::Disk),
+            ("EXTERNAL", Tier::Disk),
+            ("STORAGE", Tier::Disk),
+        ] {
+            assert_eq!(medium_tier(medium), Some(tier), "{medium}");
+        }
+        assert_eq!(medium_tier("NVME_OVER_FABRIC"), None);
+    }
 
     fn enc(v: &Value) -> Vec<u8> {
         let mut b = Vec::new();
