@@ -105,6 +105,13 @@ fn take<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>
     };
     if state.cfg.predicted_ttl == 0.0 && !state.cfg.routed_only(routed.worker_id) {
         counted("ignored");
+        // Nothing to apply: a router waiting for the ack gets it now rather than a timeout.
+        if let Some(reply) = msg.reply {
+            let client = client.clone();
+            tokio::spawn(async move {
+                let _ = client.publish(reply, bytes::Bytes::new()).await;
+            });
+        }
         return;
     }
     let worker = WorkerId::new(routed.worker_id, routed.dp_rank);
