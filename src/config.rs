@@ -234,6 +234,23 @@ impl Default for Config {
     }
 }
 
+/// Which workers are routed-only, built once from the configuration: ingest asks it per batch
+/// and lookups per match, so a long `routed_only_workers` list costs no scan.
+#[derive(Clone, Debug, Default)]
+pub struct RoutedOnly {
+    /// `routed_only_all`.
+    all: bool,
+    /// `routed_only_workers`.
+    workers: std::collections::HashSet<u64, kvindex_core::seeded::SeededState>,
+}
+
+impl RoutedOnly {
+    /// Whether `worker_id` is routed-only.
+    pub fn contains(&self, worker_id: u64) -> bool {
+        self.all || (!self.workers.is_empty() && self.workers.contains(&worker_id))
+    }
+}
+
 /// `kvindex bridge` flags; `None` leaves the lower layers' value.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct BridgeOverrides {
@@ -383,9 +400,9 @@ impl Config {
         Ok(())
     }
 
-    /// Whether `worker_id` is routed-only (approximate mode).
-    pub fn routed_only(&self, worker_id: u64) -> bool {
-        self.routed_only_all || self.routed_only_workers.contains(&worker_id)
+    /// The routed-only workers (approximate mode), as a set asked on every batch and match.
+    pub fn routed_only(&self) -> RoutedOnly {
+        RoutedOnly { all: self.routed_only_all, workers: self.routed_only_workers.iter().copied().collect() }
     }
 
     /// The JetStream stream's name: `stream`, or derived from the prefix (`kv` -> `KV_EVENTS`).

@@ -98,7 +98,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         return;
     };
     // A routed-only worker's blocks are what routers announce: events would fight them.
-    if state.cfg.routed_only(subject_id) {
+    if state.routed_only.contains(subject_id) {
         state.fail("routed_only", || format!("dropped events of worker {subject_id}: it is routed-only (routed_only_workers)"));
         return;
     }

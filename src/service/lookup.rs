@@ -221,7 +221,7 @@ fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupR
             stale: state.stale.contains_key(&m.worker),
             tiers: TierDepths { host: asked(Tier::Host, m.host), disk: asked(Tier::Disk, m.disk) },
             predicted_blocks: predicted.get(&m.worker).map(|&p| p.max(m.device)),
-            approximate: state.cfg.routed_only(m.worker.worker_id),
+            approximate: state.routed_only.contains(m.worker.worker_id),
         })
         .collect();
     let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());

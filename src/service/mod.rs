@@ -99,6 +99,8 @@ struct State {
     /// snapshot is applied is not one set again meanwhile, and a lookup that raced a clear
     /// answers again.
     stale_generation: AtomicU64,
+    /// The routed-only workers (approximate mode), from `cfg`.
+    routed_only: Arc<crate::config::RoutedOnly>,
 }
 
 impl State {
@@ -490,6 +492,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         stream_seq: AtomicU64::new(0),
         snapshot_written: AtomicU64::new(0),
         events_prefix: events_prefix(&cfg),
+        routed_only: Arc::new(cfg.routed_only()),
         cfg: cfg.clone(),
     });
     let hook: OnApplied = {

@@ -43,8 +43,8 @@ pub(super) fn announcing<I: KvIndex>(state: &Arc<State>, predicted: Arc<I>) -> A
         })
     };
     let routed_only = {
-        let cfg = cfg.clone();
-        Arc::new(move |worker_id: u64| cfg.routed_only(worker_id))
+        let set = state.routed_only.clone();
+        Arc::new(move |worker_id: u64| set.contains(worker_id))
     };
     Announcing {
         predicted,
@@ -103,7 +103,7 @@ fn take<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>
             return;
         }
     };
-    if state.cfg.predicted_ttl == 0.0 && !state.cfg.routed_only(routed.worker_id) {
+    if state.cfg.predicted_ttl == 0.0 && !state.routed_only.contains(routed.worker_id) {
         counted("ignored");
         // Nothing to apply: a router waiting for the ack gets it now rather than a timeout.
         if let Some(reply) = msg.reply {
