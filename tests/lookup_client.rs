@@ -1,6 +1,7 @@
 //! `LookupClient` (kvindex-client) against a real `nats-server` and `kvindex serve`: ranked
 //! answers by tokens (with a LoRA adapter) and by hashes, filters, and each error a router
-//! must tell apart: no kvindex, a refused request, no answer in time.
+//! must tell apart: no kvindex, a refused request, no answer in time; and a publisher that
+//! says it misses blocks, answered as stale while it does.
 
 mod support;
 
@@ -87,4 +88,39 @@ async fn no_kvindex_and_no_answer_are_told_apart() {
     client.flush().await.unwrap();
     let slow = lookups.lookup(&q).await;
     assert!(matches!(slow, Err(ClientError::Timeout { timeout_ms: 300, .. })), "{slow:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_that_says_it_misses_blocks_is_answered_stale_until_it_does_not() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let tokens: Vec<u32> = (0..4 * BLOCK).collect();
+    let p = engine(&client, 4, 0, &tokens, 3, None).await;
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(5));
+    let query = Query::tokens(&tokens, BLOCK);
+    let answer = |stale: bool| {
+        let (lookups, query) = (&lookups, &query);
+        async move { lookups.lookup(query).await.ok().filter(|a| a.matches.len() == 1 && a.matches[0].stale == stale) }
+    };
+    assert!(eventually(10, || answer(false)).await.is_some(), "whole at first");
+    p.set_incomplete(true);
+    let stale = eventually(10, || answer(true)).await.expect("answered as stale while incomplete");
+    assert_eq!(stale.matches[0].blocks, 3, "what it sent is still matched");
+    // More blocks while incomplete are applied; the flag stays.
+    let more: Vec<StoredBlock> = local_hashes(&tokens, BLOCK as usize, None, None)[3..]
+        .iter()
+        .map(|&l| StoredBlock { block_hash: BlockHash(4003), tokens_hash: l })
+        .collect();
+    p.stored(Some(BlockHash(4002)), &more);
+    p.flush().await;
+    let deeper = eventually(10, || async { answer(true).await.filter(|a| a.matches[0].blocks == 4) }).await;
+    assert!(deeper.is_some(), "applied and still stale");
+    // Past the daemon's resync interval (1 s here), a stale worker would have been asked again;
+    // this one is not, as a snapshot cannot help. (Only a request sent can fail this.)
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(d.metric("kvindex_resync_requests_total{scope=\"worker\"}").await, 0.0, "never asked to resync");
+    p.set_incomplete(false);
+    assert!(eventually(10, || answer(false)).await.is_some(), "whole once it says so");
+    d.stop().await.unwrap();
 }

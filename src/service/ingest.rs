@@ -253,6 +253,18 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         // the snapshot stalls.
         state.mark_stale_asked(w, "snapshot_in_progress");
     }
+    // The publisher's own word that its block set misses blocks (a bridge started after its
+    // engine): stale while it says so, whatever a snapshot from it says; whole once it stops.
+    let flagged_incomplete = state.stale.get(&w).is_some_and(|r| r.reason == INCOMPLETE);
+    if h.incomplete {
+        clear_after = None;
+        if !flagged_incomplete && !gap && !midstream {
+            state.log.warn("incomplete", || format!("worker {w} says it misses blocks its engine holds; stale while it does"));
+            state.mark_stale_asked(w, INCOMPLETE);
+        }
+    } else if flagged_incomplete && !gap && !midstream {
+        clear_after = state.stale.get(&w).map(|r| r.generation);
+    }
     if !out.is_empty() {
         if let Err(full) = pool.try_apply(w, out, h.ts_ns) {
             // Backpressure: wait for the worker's apply thread rather than drop anything.
@@ -267,6 +279,10 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         }
     }
 }
+
+/// The stale reason of a worker whose publisher says it misses blocks: asking it to resync
+/// cannot help, so it is not asked.
+pub(super) const INCOMPLETE: &str = "incomplete";
 
 /// Takes up a saved worker's sequence (a snapshot being restored), within the same limits as
 /// a new worker; false (counted and logged) if it cannot be tracked.

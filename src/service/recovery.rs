@@ -218,6 +218,9 @@ pub(super) async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc:
         }
         for w in due {
             let Some(mut r) = state.stale.get_mut(&w) else { continue };
+            if r.reason == super::ingest::INCOMPLETE {
+                continue;
+            }
             if r.asked.is_some_and(|t| now.duration_since(t) < resync_wait(base, max, r.attempts)) {
                 continue;
             }

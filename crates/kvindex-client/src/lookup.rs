@@ -53,6 +53,13 @@ impl Query {
         self
     }
 
+    /// Tokens of an engine that hashes `n` tokens past each block (vLLM's lookahead hashing):
+    /// a block matches only with the same tokens after it, as the engine reuses it.
+    pub fn with_lookahead(mut self, n: u32) -> Query {
+        self.request.lookahead = Some(n);
+        self
+    }
+
     /// Only these worker ids (any dp rank) are considered.
     pub fn only_workers(mut self, workers: &[u64]) -> Query {
         self.request.workers = Some(workers.to_vec());
@@ -97,6 +104,7 @@ impl Query {
             block_size: r.block_size,
             lora_name: r.lora_name.clone(),
             salt: r.salt.clone(),
+            lookahead: r.lookahead,
         }
     }
 }

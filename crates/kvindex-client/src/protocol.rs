@@ -7,7 +7,7 @@
 //! array form; hashes are accepted as unsigned or as signed 64-bit integers (two's complement,
 //! for publishers in languages without u64).
 
-use kvindex_core::hash::{local_hashes, BlockHash, LocalHash, StoredBlock};
+use kvindex_core::hash::{local_hashes_ahead, BlockHash, LocalHash, StoredBlock};
 use kvindex_core::{Event, Tier};
 use serde::{Deserialize, Serialize};
 
@@ -430,7 +430,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             false
         }
     };
-    let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id"];
+    let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id", "incomplete"];
     let mut rd = Rd::new(bytes);
     let read = fields(&mut rd, &names, |k, rd| {
         if k == b"events" {
@@ -463,6 +463,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             b"snapshot" => h.snapshot = flag(v, &mut bad),
             b"snapshot_end" => h.snapshot_end = flag(v, &mut bad),
             b"next_event_id" if !is_nil(v) => h.next_event_id = Some(uint(v, &mut bad)),
+            b"incomplete" => h.incomplete = flag(v, &mut bad),
             _ => {}
         }
         Some(())
@@ -566,13 +567,17 @@ pub struct BatchHeader {
     /// The id the publisher will give its next event (optional): lets a heartbeat reveal
     /// events lost at the tail of the stream.
     pub next_event_id: Option<u64>,
+    /// The publisher knows its block set misses blocks its engine holds (it started after
+    /// the engine, or lost events it could not recover): lookups flag the worker stale while
+    /// its batches say so. Written only when true.
+    pub incomplete: bool,
 }
 
 /// Writes a batch's envelope, up to and including the length of its `events` list; the
 /// caller appends `events` events written with [`write_event`].
 pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
     use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
-    let _ = write_map_len(out, 7 + h.next_event_id.is_some() as u32);
+    let _ = write_map_len(out, 7 + h.next_event_id.is_some() as u32 + h.incomplete as u32);
     for (k, v) in [("worker_id", h.worker_id), ("dp_rank", h.dp_rank as u64), ("epoch", h.epoch), ("ts_ns", h.ts_ns)] {
         let _ = write_str(out, k);
         let _ = write_uint(out, v);
@@ -584,6 +589,10 @@ pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
     for (k, v) in [("snapshot", h.snapshot), ("snapshot_end", h.snapshot_end)] {
         let _ = write_str(out, k);
         let _ = write_bool(out, v);
+    }
+    if h.incomplete {
+        let _ = write_str(out, "incomplete");
+        let _ = write_bool(out, true);
     }
     let _ = write_str(out, "events");
     let _ = write_array_len(out, events);
@@ -615,9 +624,13 @@ pub struct LookupRequest {
     /// The LoRA adapter, for `tokens`: blocks of other adapters never match.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_name: Option<String>,
-    /// The cache salt (tenant isolation), for `tokens`.
+    /// The cache salt (tenant isolation), for `tokens`: it changes the first block's hash.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub salt: Option<String>,
+    /// Lookahead hashing, for `tokens`: each block's identity also covers this many tokens
+    /// after it, as the engine's `num_hash_lookahead_tokens` (vLLM) makes it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookahead: Option<u32>,
     /// Only these worker ids.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workers: Option<Vec<u64>>,
@@ -695,7 +708,8 @@ impl LookupRequest {
     /// never match, so they are not hashed).
     pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
         let (h, t, bs) = (&self.block_hashes, &self.tokens, self.block_size);
-        request_hashes(h.as_deref(), t.as_deref(), bs, self.lora_name.as_deref(), self.salt.as_deref(), limit)
+        let identity = Identity { lora_name: self.lora_name.as_deref(), salt: self.salt.as_deref(), lookahead: self.lookahead };
+        request_hashes(h.as_deref(), t.as_deref(), bs, identity, limit)
     }
 
     /// The announcement `route_to` asks for: this request's blocks, hashed once here.
@@ -717,22 +731,30 @@ fn check_blocks(hashes: bool, tokens: bool, block_size: Option<u32>) -> Result<(
     }
 }
 
-/// A request's local hashes, given as hashes or as tokens with their block size, LoRA adapter
-/// and salt; at most `limit`.
+/// What besides its tokens makes a request's blocks its own.
+#[derive(Clone, Copy)]
+struct Identity<'a> {
+    lora_name: Option<&'a str>,
+    salt: Option<&'a str>,
+    lookahead: Option<u32>,
+}
+
+/// A request's local hashes, given as hashes or as tokens with their block size and
+/// identity; at most `limit`.
 fn request_hashes(
     hashes: Option<&[u64]>,
     tokens: Option<&[u32]>,
     block_size: Option<u32>,
-    lora_name: Option<&str>,
-    salt: Option<&str>,
+    id: Identity,
     limit: usize,
 ) -> Vec<LocalHash> {
     match (hashes, tokens) {
         (Some(h), _) => h.iter().take(limit).map(|&h| LocalHash(h)).collect(),
         (None, Some(t)) => {
             let bs = block_size.unwrap_or(0) as usize;
-            let t = &t[..t.len().min(limit.saturating_mul(bs))];
-            local_hashes(t, bs, lora_name, salt)
+            let ahead = id.lookahead.unwrap_or(0) as usize;
+            let t = &t[..t.len().min(limit.saturating_mul(bs).saturating_add(ahead))];
+            local_hashes_ahead(t, bs, id.lora_name, id.salt, ahead)
         }
         (None, None) => Vec::new(),
     }
@@ -763,6 +785,9 @@ pub struct Routed {
     /// The cache salt, for `tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub salt: Option<String>,
+    /// Lookahead tokens per block, for `tokens`, as in a lookup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lookahead: Option<u32>,
 }
 
 impl Routed {
@@ -781,7 +806,8 @@ impl Routed {
     /// The announced blocks' local hashes, at most `limit`.
     pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
         let (h, t, bs) = (&self.block_hashes, &self.tokens, self.block_size);
-        request_hashes(h.as_deref(), t.as_deref(), bs, self.lora_name.as_deref(), self.salt.as_deref(), limit)
+        let identity = Identity { lora_name: self.lora_name.as_deref(), salt: self.salt.as_deref(), lookahead: self.lookahead };
+        request_hashes(h.as_deref(), t.as_deref(), bs, identity, limit)
     }
 }
 
@@ -912,6 +938,7 @@ impl ResyncAck {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvindex_core::hash::local_hashes;
 
     #[test]
     fn announcements_decode_as_lookups_do() {
@@ -965,6 +992,7 @@ mod tests {
                 snapshot: true,
                 snapshot_end: false,
                 next_event_id: None,
+                incomplete: false,
             },
             events: vec![
                 Ok(KvEvent { event_id: 0, data: Event::Cleared }),
@@ -1101,6 +1129,11 @@ mod tests {
         let back = LookupRequest::decode(&rmp_serde::to_vec_named(&by_tokens).unwrap()).unwrap();
         assert_eq!(back.local_hashes(usize::MAX), local_hashes(&tokens, 16, Some("a"), None));
         assert_eq!(back.local_hashes(usize::MAX).len(), 2);
+        let ahead = LookupRequest { lookahead: Some(9), salt: Some("t".into()), ..by_tokens };
+        let back = LookupRequest::decode(&rmp_serde::to_vec_named(&ahead).unwrap()).unwrap();
+        assert_eq!(back.local_hashes(usize::MAX), local_hashes_ahead(&tokens, 16, Some("a"), Some("t"), 9));
+        assert_eq!(back.local_hashes(1), local_hashes_ahead(&tokens[..25], 16, Some("a"), Some("t"), 9));
+        assert_eq!(back.local_hashes(usize::MAX).len(), 1, "the second block has only 8 tokens after it");
 
         for bad in [
             LookupRequest::default(),
@@ -1153,7 +1186,8 @@ mod tests {
                 _ => KvEvent { event_id: i as u64, data: Event::Cleared },
             })).collect();
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
-            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id };
+            let incomplete = ids.len() % 3 == 0;
+            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete };
             let batch = EventBatch { header, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);

@@ -143,6 +143,9 @@ struct Inner {
     last_sent: Instant,
     /// Dropping batches right now (to log once per episode).
     dropping: bool,
+    /// The host said its block set misses blocks the engine holds ([`Publisher::set_incomplete`]):
+    /// every batch says so until it is whole again.
+    incomplete: bool,
 }
 
 enum Out {
@@ -196,6 +199,7 @@ impl Publisher {
                 pending_since: None,
                 last_sent: Instant::now(),
                 dropping: false,
+                incomplete: false,
             }),
             out: tx,
             wake: Notify::new(),
@@ -259,6 +263,21 @@ impl Publisher {
             tier.clear();
         }
         s.push(&mut inner, REMOVED_OVERHEAD, write_cleared);
+    }
+
+    /// Says whether this publisher's block set misses blocks its engine holds (a bridge that
+    /// started after its engine, or lost events it could not recover). While it does, every
+    /// batch (heartbeats too) carries `incomplete` and kvindex answers for the worker as
+    /// `stale`; the next batch after `false` clears that.
+    pub fn set_incomplete(&self, incomplete: bool) {
+        let s = &self.shared;
+        let mut inner = s.inner.lock();
+        if inner.incomplete != incomplete {
+            // What is pending was made under the old word; a heartbeat carries the new one now.
+            s.send_pending(&mut inner, false, false);
+            inner.incomplete = incomplete;
+            s.heartbeat(&mut inner);
+        }
     }
 
     /// Sends what is pending now instead of after the linger: for a caller that batches
@@ -411,6 +430,7 @@ impl Shared {
             snapshot,
             snapshot_end,
             next_event_id: Some(inner.next_id),
+            incomplete: inner.incomplete,
         }
     }
 

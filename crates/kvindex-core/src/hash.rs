@@ -125,11 +125,12 @@ impl StoredBlock {
     }
 }
 
-/// The XXH3 seed for a request's blocks.
+/// The XXH3 seed of a block.
 ///
 /// Without a LoRA adapter or cache salt it is [`HASH_SEED`]. With either, the seed is
 /// `XXH3-64(seed 1337, lora_name ++ 0x00 ++ salt)` (UTF-8, a missing one as the empty
-/// string), so different adapters or salts never share cached blocks.
+/// string). The identity rule ([`local_hashes`]) seeds every block with the adapter and only
+/// a request's first block with its salt.
 pub fn block_seed(lora_name: Option<&str>, salt: Option<&str>) -> u64 {
     if lora_name.is_none() && salt.is_none() {
         return HASH_SEED;
@@ -152,14 +153,58 @@ pub fn hash_block_tokens(tokens: &[u32], seed: u64) -> LocalHash {
     LocalHash(xxh3_64_with_seed(&buf, seed))
 }
 
-/// Local hashes of every *full* block of `tokens`; a partial trailing block is not hashed.
-/// A `block_size` of zero yields no blocks.
+/// Local hashes of every *full* block of a request's `tokens`, from its first token; a
+/// partial trailing block is not hashed, and a `block_size` of zero yields no blocks.
+///
+/// The identity rule, whatever the engine: a LoRA adapter seeds every block
+/// (`block_seed(lora, None)`), a cache salt only the first (`block_seed(lora, salt)`), as
+/// vLLM hashes it. Every later prefix hash chains from the first block, so a salted request
+/// still shares nothing with another salt.
 pub fn local_hashes(tokens: &[u32], block_size: usize, lora_name: Option<&str>, salt: Option<&str>) -> Vec<LocalHash> {
+    local_hashes_ahead(tokens, block_size, lora_name, salt, 0)
+}
+
+/// [`local_hashes`] under lookahead hashing (vLLM's `num_hash_lookahead_tokens`): block `i`'s
+/// identity also covers the `lookahead` tokens after it ([`with_lookahead`]), so only blocks
+/// followed by that many tokens are hashed.
+pub fn local_hashes_ahead(
+    tokens: &[u32],
+    block_size: usize,
+    lora_name: Option<&str>,
+    salt: Option<&str>,
+    lookahead: usize,
+) -> Vec<LocalHash> {
     if block_size == 0 {
         return Vec::new();
     }
-    let seed = block_seed(lora_name, salt);
-    tokens.chunks_exact(block_size).map(|b| hash_block_tokens(b, seed)).collect()
+    let blocks = tokens.len().saturating_sub(lookahead) / block_size;
+    let seed = block_seed(lora_name, None);
+    let first = if salt.is_some() { block_seed(lora_name, salt) } else { seed };
+    (0..blocks)
+        .map(|i| {
+            let end = (i + 1) * block_size;
+            let local = hash_block_tokens(&tokens[end - block_size..end], if i == 0 { first } else { seed });
+            if lookahead == 0 {
+                local
+            } else {
+                with_lookahead(local, &tokens[end..end + lookahead])
+            }
+        })
+        .collect()
+}
+
+/// A block's local hash with the tokens after it that its identity covers (lookahead
+/// hashing): XXH3-64 (seed 1337) of the local hash's 8 little-endian bytes, the byte `0xc1`
+/// (never the first byte of msgpack, so this never meets [`with_extra_keys`]'s input), then
+/// the tokens as little-endian u32.
+pub fn with_lookahead(local: LocalHash, ahead: &[u32]) -> LocalHash {
+    let mut buf = Vec::with_capacity(9 + ahead.len() * 4);
+    buf.extend_from_slice(&local.0.to_le_bytes());
+    buf.push(0xc1);
+    for t in ahead {
+        buf.extend_from_slice(&t.to_le_bytes());
+    }
+    LocalHash(xxh3_64_with_seed(&buf, HASH_SEED))
 }
 
 /// A block's local hash with its extra keys folded in (multimodal content hashes, per-block
@@ -200,21 +245,48 @@ mod tests {
     }
 
     #[test]
-    fn lora_and_salt_change_the_seed() {
-        let toks = [7u32, 8, 9, 10];
-        let plain = local_hashes(&toks, 4, None, None)[0];
-        let lora = local_hashes(&toks, 4, Some("sql-adapter"), None)[0];
-        let salt = local_hashes(&toks, 4, None, Some("tenant-a"))[0];
-        let both = local_hashes(&toks, 4, Some("sql-adapter"), Some("tenant-a"))[0];
-        let all = [plain, lora, salt, both];
-        for i in 0..all.len() {
-            for j in i + 1..all.len() {
-                assert_ne!(all[i], all[j]);
+    fn lora_seeds_every_block_and_salt_the_first() {
+        let toks = [7u32, 8, 9, 10, 11, 12, 13, 14];
+        let plain = local_hashes(&toks, 4, None, None);
+        let lora = local_hashes(&toks, 4, Some("sql-adapter"), None);
+        let salt = local_hashes(&toks, 4, None, Some("tenant-a"));
+        let both = local_hashes(&toks, 4, Some("sql-adapter"), Some("tenant-a"));
+        let firsts = [plain[0], lora[0], salt[0], both[0]];
+        for i in 0..firsts.len() {
+            for j in i + 1..firsts.len() {
+                assert_ne!(firsts[i], firsts[j]);
             }
         }
-        assert_eq!(block_seed(Some("sql-adapter"), None), xxh3_64_with_seed(b"sql-adapter\0", 1337));
+        let lora_seed = xxh3_64_with_seed(b"sql-adapter\0", 1337);
+        assert_eq!(block_seed(Some("sql-adapter"), None), lora_seed);
         assert_eq!(block_seed(None, Some("tenant-a")), xxh3_64_with_seed(b"\0tenant-a", 1337));
-        assert_eq!(lora, hash_block_tokens(&toks, xxh3_64_with_seed(b"sql-adapter\0", 1337)));
+        assert_eq!(lora, vec![hash_block_tokens(&toks[..4], lora_seed), hash_block_tokens(&toks[4..], lora_seed)]);
+        assert_eq!(salt[0], hash_block_tokens(&toks[..4], xxh3_64_with_seed(b"\0tenant-a", 1337)));
+        assert_eq!(salt[1], plain[1], "the salt is in the first block only");
+        assert_eq!(both[1], lora[1]);
+        // The first block differs, so every prefix differs.
+        let (mut p, mut s) = (Vec::new(), Vec::new());
+        prefix_chain(&plain, &mut p);
+        prefix_chain(&salt, &mut s);
+        assert!(p.iter().zip(&s).all(|(a, b)| a != b));
+    }
+
+    #[test]
+    fn lookahead_covers_the_tokens_after_each_block() {
+        let toks: Vec<u32> = (0..10).collect();
+        let ahead = local_hashes_ahead(&toks, 4, None, None, 2);
+        assert_eq!(ahead.len(), 2, "a block needs its lookahead tokens: 4 + 2 and 8 + 2 fit in 10");
+        assert_eq!(local_hashes_ahead(&toks[..9], 4, None, None, 2).len(), 1);
+        let plain = local_hashes(&toks, 4, None, None);
+        assert_eq!(ahead[0], with_lookahead(plain[0], &[4, 5]));
+        assert_eq!(ahead[1], with_lookahead(plain[1], &[8, 9]));
+        assert_ne!(ahead[0], plain[0]);
+        let mut other = toks.clone();
+        other[5] = 99;
+        let changed = local_hashes_ahead(&other, 4, None, None, 2);
+        assert_ne!(changed[0], ahead[0], "a token inside the first block's lookahead changes it");
+        assert_eq!(local_hashes_ahead(&toks, 4, None, None, 0), plain);
+        assert_ne!(with_lookahead(plain[0], &[]), plain[0]);
     }
 
     #[test]
