@@ -3,7 +3,7 @@
 //! is accepted (array or map batches, array or map events, u64, i64 or digest hashes); an odd
 //! event is counted and skipped, never its batch.
 
-use kvindex_core::hash::{local_hashes, with_extra_keys, BlockHash, LocalHash, StoredBlock};
+use kvindex_core::hash::{local_hashes, with_extra_keys, with_lookahead, BlockHash, LocalHash, StoredBlock};
 use kvindex_core::{Event, Tier};
 use rmpv::Value;
 
@@ -23,13 +23,15 @@ pub struct EngineBatch {
 }
 
 /// Why an event was not forwarded: its metric label says which.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Skip {
     /// Not what the engines send; counted as a decode failure.
     Bad(&'static str),
     /// Valid, but not for the index: another attention group, a sliding-window or mamba
-    /// layer group, a remote block, an unknown medium.
+    /// layer group, a remote block.
     Filtered(&'static str),
+    /// A storage medium kvindex has no tier for, named so the log can say which.
+    UnknownMedium(String),
 }
 
 /// Why a whole batch was refused.
@@ -109,6 +111,10 @@ const STORED: &[&str] = &[
     "group_idx",
     "kv_cache_spec_kind",
     "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+    "lookahead_token_ids",
 ];
 const REMOVED: &[&str] = &["block_hashes", "medium", "group_idx", "locality"];
 
@@ -162,7 +168,10 @@ fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
     }
     let tier = match f.get("medium") {
         None => Tier::Device,
-        Some(m) => medium_tier(m.as_str().ok_or(Skip::Bad("bad_medium"))?).ok_or(Skip::Filtered("unknown_medium"))?,
+        Some(m) => {
+            let name = m.as_str().ok_or(Skip::Bad("bad_medium"))?;
+            medium_tier(name).ok_or_else(|| Skip::UnknownMedium(name.chars().take(64).collect()))?
+        }
     };
     let hashes = hash_list(f.get("block_hashes")).ok_or(Skip::Bad("bad_hashes"))?;
     if f.kind == "BlockRemoved" {
@@ -195,23 +204,67 @@ fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
         None => (None, None),
     };
     let lora_name = lora_name.or(lora_id);
+    let extra = match f.get("extra_keys") {
+        None => None,
+        Some(e) => Some(e.as_array().filter(|e| e.len() == hashes.len()).ok_or(Skip::Bad("bad_extra_keys"))?),
+    };
+    // The salt is the request's first block's: SGLang sends it as a field on every event,
+    // vLLM as a bare string in that block's extra keys. Later blocks chain from that one.
+    let root = parent.is_none();
     let salt = meta.and_then(|m| field(m, "cache_salt")).or_else(|| f.get("cache_salt")).and_then(Value::as_str);
+    let salt = salt.or_else(|| extra.and_then(|e| e.first()).and_then(|k| salt_key(k, lora_name.as_deref())));
+    let salt = salt.filter(|_| root);
     let mut locals = local_hashes(&tokens, block_size as usize, lora_name.as_deref(), salt);
-    if let Some(extra) = f.get("extra_keys") {
-        let per_block = extra.as_array().ok_or(Skip::Bad("bad_extra_keys"))?;
-        if per_block.len() != locals.len() {
-            return Err(Skip::Bad("bad_extra_keys"));
+    if let Some(per_block) = extra {
+        for (i, (local, keys)) in locals.iter_mut().zip(per_block).enumerate() {
+            let salt = if i == 0 { salt } else { None };
+            *local = fold_extra(*local, &without_identity(keys, lora_name.as_deref(), salt));
         }
-        for (local, keys) in locals.iter_mut().zip(per_block) {
-            *local = fold_extra(*local, keys);
+    }
+    if let Some(ahead) = f.get("lookahead_token_ids") {
+        let per_block = ahead.as_array().filter(|a| a.len() == hashes.len()).ok_or(Skip::Bad("bad_lookahead"))?;
+        for (local, toks) in locals.iter_mut().zip(per_block) {
+            let toks: Vec<u32> = match toks {
+                Value::Nil => continue,
+                t => t
+                    .as_array()
+                    .ok_or(Skip::Bad("bad_lookahead"))?
+                    .iter()
+                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+                    .collect::<Option<_>>()
+                    .ok_or(Skip::Bad("bad_lookahead"))?,
+            };
+            if !toks.is_empty() {
+                *local = with_lookahead(*local, &toks);
+            }
         }
     }
     let blocks = hashes.iter().zip(&locals).map(|(&h, &l)| StoredBlock { block_hash: BlockHash(h), tokens_hash: l }).collect();
     Ok(Event::Stored { parent: parent.map(BlockHash), blocks, tier })
 }
 
-/// A block's local hash with its extra keys (multimodal content hashes, per-block LoRA or
-/// salt) folded in: nothing for `nil` or an empty list, else over their canonical msgpack.
+/// The salt in a request's first block's extra keys (vLLM): the bare string after the
+/// adapter's name, if any (multimodal keys are pairs, prompt-embedding digests bytes).
+fn salt_key<'a>(keys: &'a Value, lora_name: Option<&str>) -> Option<&'a str> {
+    let keys = keys.as_array()?;
+    let skip = usize::from(lora_name.is_some() && keys.first().and_then(Value::as_str) == lora_name);
+    keys[skip..].iter().find_map(Value::as_str)
+}
+
+/// A block's extra keys without what the identity rule already covers: the adapter's name
+/// vLLM puts first in every block's, and the salt it puts in the first block's.
+fn without_identity(keys: &Value, lora_name: Option<&str>, salt: Option<&str>) -> Value {
+    let Some(list) = keys.as_array() else { return keys.clone() };
+    let mut rest: &[Value] = list;
+    if lora_name.is_some() && rest.first().and_then(Value::as_str) == lora_name {
+        rest = &rest[1..];
+    }
+    let salt_at = salt.and_then(|s| rest.iter().position(|k| k.as_str() == Some(s)));
+    Value::Array(rest.iter().enumerate().filter(|(i, _)| Some(*i) != salt_at).map(|(_, k)| k.clone()).collect())
+}
+
+/// A block's local hash with its extra keys (multimodal content hashes, prompt-embedding
+/// digests) folded in: nothing for `nil` or an empty list, else over their canonical msgpack.
 pub fn fold_extra(local: LocalHash, keys: &Value) -> LocalHash {
     match keys {
         Value::Nil => local,
@@ -488,6 +541,94 @@ mod tests {
         let salted = stored(Value::Nil, map(vec![("cache_salt", s("tenant"))]));
         let want: Vec<u32> = (0..8).collect();
         assert_eq!(salted, local_hashes(&want, 4, None, Some("tenant")));
+    }
+
+    /// The locals of one decoded `BlockStored` map event.
+    fn locals_of(fields: Vec<(&str, Value)>) -> Vec<LocalHash> {
+        let ev = map([vec![("type", s("BlockStored")), ("block_size", Value::from(4))], fields].concat());
+        match decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap().events.remove(0) {
+            Ok(Event::Stored { blocks, .. }) => blocks.iter().map(|b| b.tokens_hash).collect(),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn one_identity_rule_whatever_the_engine() {
+        let ids = |v: &[i64]| arr(v.iter().map(|&h| Value::from(h)).collect());
+        let want: Vec<u32> = (0..12).collect();
+        let rule = local_hashes(&want, 4, Some("sql"), Some("tenant"));
+        // vLLM: the adapter first in every block's extra keys, the salt in the first block's.
+        let vllm_root = locals_of(vec![
+            ("block_hashes", ids(&[1, 2])),
+            ("token_ids", tokens(8)),
+            ("lora_name", s("sql")),
+            ("extra_keys", arr(vec![arr(vec![s("sql"), s("tenant")]), arr(vec![s("sql")])])),
+        ]);
+        let vllm_next = locals_of(vec![
+            ("block_hashes", ids(&[3])),
+            ("parent_block_hash", Value::from(2)),
+            ("token_ids", arr((8..12).map(Value::from).collect())),
+            ("lora_name", s("sql")),
+            ("extra_keys", arr(vec![arr(vec![s("sql")])])),
+        ]);
+        assert_eq!([vllm_root, vllm_next].concat(), rule);
+        // SGLang: both as fields of every event; a continuation's salt is not its first block's.
+        let sglang_root = locals_of(vec![
+            ("block_hashes", ids(&[1, 2])),
+            ("token_ids", tokens(8)),
+            ("lora_name", s("sql")),
+            ("cache_salt", s("tenant")),
+        ]);
+        let sglang_next = locals_of(vec![
+            ("block_hashes", ids(&[3])),
+            ("parent_block_hash", Value::from(2)),
+            ("token_ids", arr((8..12).map(Value::from).collect())),
+            ("lora_name", s("sql")),
+            ("cache_salt", s("tenant")),
+        ]);
+        assert_eq!([sglang_root, sglang_next].concat(), rule);
+        // What is left of the extra keys (an image pair) still folds.
+        let image = locals_of(vec![
+            ("block_hashes", ids(&[1, 2])),
+            ("token_ids", tokens(8)),
+            ("lora_name", s("sql")),
+            ("extra_keys", arr(vec![arr(vec![s("sql")]), arr(vec![s("sql"), arr(vec![s("img"), Value::from(0)])])])),
+        ]);
+        assert_eq!(image[0], rule_no_salt(&want)[0]);
+        assert_eq!(image[1], fold_extra(rule_no_salt(&want)[1], &arr(vec![arr(vec![s("img"), Value::from(0)])])));
+    }
+
+    fn rule_no_salt(tokens: &[u32]) -> Vec<LocalHash> {
+        local_hashes(tokens, 4, Some("sql"), None)
+    }
+
+    #[test]
+    fn lookahead_tokens_are_part_of_a_blocks_identity() {
+        let ahead = arr(vec![arr(vec![Value::from(4), Value::from(5)]), arr(vec![Value::from(8), Value::from(9)])]);
+        let got = locals_of(vec![
+            ("block_hashes", arr(vec![Value::from(1), Value::from(2)])),
+            ("token_ids", tokens(8)),
+            ("lookahead_token_ids", ahead),
+        ]);
+        let want: Vec<u32> = (0..10).collect();
+        assert_eq!(got, kvindex_core::hash::local_hashes_ahead(&want, 4, None, None, 2));
+        let short = arr(vec![arr(vec![Value::from(4)])]);
+        let ev = map(vec![
+            ("type", s("BlockStored")),
+            ("block_size", Value::from(4)),
+            ("block_hashes", arr(vec![Value::from(1), Value::from(2)])),
+            ("token_ids", tokens(8)),
+            ("lookahead_token_ids", short),
+        ]);
+        let b = decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap();
+        assert_eq!(b.events, vec![Err(Skip::Bad("bad_lookahead"))], "one list per block");
+    }
+
+    #[test]
+    fn an_unknown_medium_is_named() {
+        let ev = map(vec![("type", s("BlockRemoved")), ("block_hashes", arr(vec![Value::from(1)])), ("medium", s("HBM_POOL"))]);
+        let b = decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap();
+        assert_eq!(b.events, vec![Err(Skip::UnknownMedium("HBM_POOL".into()))]);
     }
 
     #[test]

@@ -30,6 +30,9 @@ pub struct BridgeMetrics {
     pub epochs: IntCounter,
     /// 1 while subscribed to a rank's engine socket.
     pub zmq_connected: IntGaugeVec,
+    /// 1 while a rank's block set misses blocks its engine holds (started beside a running
+    /// engine, or a gap the engine could not replay): kvindex answers for it as stale.
+    pub incomplete: IntGaugeVec,
     /// 1 while connected to NATS (set when scraped).
     pub nats_connected: IntGauge,
     /// From the engine's batch timestamp to its events handed to the publisher: what the ZMQ
@@ -48,6 +51,15 @@ impl BridgeMetrics {
         )
         .expect("valid metric");
         r.register(Box::new(zmq_connected.clone())).expect("unique metric");
+        let incomplete = IntGaugeVec::new(
+            Opts::new(
+                "kvindex_bridge_incomplete",
+                "1 while the rank misses blocks its engine cached before the bridge could see them (until the engine clears or restarts).",
+            ),
+            &["rank"],
+        )
+        .expect("valid metric");
+        r.register(Box::new(incomplete.clone())).expect("unique metric");
         let nats_connected = gauge(&r, "kvindex_bridge_nats_connected", "1 while connected to NATS.");
         let engine_lag = Histogram::with_opts(
             HistogramOpts::new(
@@ -84,6 +96,7 @@ impl BridgeMetrics {
                 "New epochs started: kvindex cleared the worker and rebuilds from what follows.",
             ),
             zmq_connected,
+            incomplete,
             nats_connected,
             registry: r,
         };

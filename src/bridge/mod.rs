@@ -17,6 +17,7 @@ use engine::{decode_batch, EngineBatch, Hashing, Skip};
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_core::Event;
 pub use metrics::BridgeMetrics;
+use std::collections::HashSet;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -83,7 +84,15 @@ struct RankBridge {
     replay_timeout: Duration,
     seq: Sequence,
     metrics: Arc<BridgeMetrics>,
+    /// Unknown media already named in the log, so each is named once (at most
+    /// [`MEDIA_NAMED`]: the engine picks them).
+    media_named: HashSet<String>,
+    /// The block set misses blocks the engine cached before the bridge could see them.
+    incomplete: bool,
 }
+
+/// How many unknown media a rank names in its log.
+const MEDIA_NAMED: usize = 16;
 
 impl RankBridge {
     async fn start(
@@ -108,6 +117,8 @@ impl RankBridge {
             replay_timeout: Duration::from_millis(b.replay_timeout_ms.max(1)),
             seq: Sequence { next: None, topic: None },
             metrics,
+            media_named: HashSet::new(),
+            incomplete: false,
         })
     }
 
@@ -153,6 +164,7 @@ impl RankBridge {
             (Some(next), _, _) if seq < next => true,
             _ => false,
         };
+        let started = self.seq.next.is_none();
         if restarted {
             self.metrics.engine_restarts.inc();
             tracing::info!(
@@ -161,12 +173,27 @@ impl RankBridge {
                 "the engine restarted (its sequence went back or its topic changed); new epoch"
             );
             self.new_epoch().await;
-        } else if let Some(next) = self.seq.next.filter(|n| seq > *n) {
+        }
+        // Before this batch the engine published from 0 (in this process) or from `next`.
+        let expected = if restarted { 0 } else { self.seq.next.unwrap_or(0) };
+        if seq > expected {
             self.metrics.seq_gaps.inc();
-            tracing::warn!(rank = self.rank, from = next, to = seq, "batches lost between the engine and the bridge");
-            if !self.replay_from(next, seq).await {
-                // What was lost is unknown: start over, from what follows.
-                self.new_epoch().await;
+            if started || restarted {
+                tracing::warn!(
+                    rank = self.rank,
+                    first = seq,
+                    "the engine published batches before the bridge saw it; asking for them from 0"
+                );
+            } else {
+                tracing::warn!(rank = self.rank, from = expected, to = seq, "batches lost between the engine and the bridge");
+            }
+            if !self.replay_from(expected, seq).await {
+                // What was lost is unknown: start over from what follows, and say that blocks
+                // the engine cached before are missing until it clears or restarts.
+                if !started && !restarted {
+                    self.new_epoch().await;
+                }
+                self.set_incomplete(true);
             }
         }
         if topic.is_some() {
@@ -241,6 +268,20 @@ impl RankBridge {
         }
     }
 
+    /// Says whether this rank misses blocks its engine holds: the publisher's batches tell
+    /// kvindex (the worker is answered as stale meanwhile), the gauge tells the operator.
+    fn set_incomplete(&mut self, incomplete: bool) {
+        if incomplete {
+            tracing::warn!(
+                rank = self.rank,
+                "blocks the engine cached before are unknown to the bridge: kvindex answers for this rank as stale until the engine clears its cache or restarts"
+            );
+        }
+        self.incomplete = incomplete;
+        self.publisher.set_incomplete(incomplete);
+        self.metrics.incomplete.with_label_values(&[&self.rank.to_string()]).set(incomplete as i64);
+    }
+
     /// Starts a new epoch: kvindex clears the worker, and the block set starts empty.
     async fn new_epoch(&mut self) {
         let cfg =
@@ -251,6 +292,9 @@ impl RankBridge {
                 self.publisher_cfg = cfg;
                 old.close().await;
                 self.metrics.epochs.inc();
+                // A new epoch starts whole: a restarted engine starts empty.
+                self.incomplete = false;
+                self.metrics.incomplete.with_label_values(&[&self.rank.to_string()]).set(0);
             }
             Err(e) => tracing::error!(rank = self.rank, "cannot start a new epoch's publisher: {e}"),
         }
@@ -284,9 +328,20 @@ impl RankBridge {
                 Ok(Event::Cleared) => {
                     self.metrics.events.with_label_values(&["cleared"]).inc();
                     self.publisher.cleared();
+                    // From an empty cache on, every block of the engine passes through here.
+                    if self.incomplete {
+                        tracing::info!(rank = self.rank, "the engine cleared its cache: the rank is whole again");
+                        self.set_incomplete(false);
+                    }
                 }
                 Err(Skip::Bad(reason)) => self.metrics.decode_failures.with_label_values(&[reason]).inc(),
                 Err(Skip::Filtered(reason)) => self.metrics.skipped.with_label_values(&[reason]).inc(),
+                Err(Skip::UnknownMedium(name)) => {
+                    self.metrics.skipped.with_label_values(&["unknown_medium"]).inc();
+                    if self.media_named.len() < MEDIA_NAMED && self.media_named.insert(name.clone()) {
+                        tracing::warn!(rank = self.rank, medium = %name, "skipping events of a storage medium kvindex has no tier for (counted as skipped{{reason=\"unknown_medium\"}}); said once per medium");
+                    }
+                }
             }
         }
         // The engine batched already: one NATS message per engine batch, without the linger.
