@@ -397,6 +397,18 @@ async fn sglang_through_its_own_publisher() {
 
     engine.publish(json!([{"type": "BlockRemoved", "block_hashes": [-2]}]));
     wait_answer(&router, plain, 1, (1, false)).await;
+
+    // The bridge restarts: its new epoch clears the rank in kvindex, and the engine's replay
+    // buffer rebuilds it from seq 0, LoRA, salt and removals included.
+    // A block stored while no bridge listens is found only through that replay.
+    bridge.stop().await;
+    let id = json!({"lora_name": "sql", "cache_salt": "tenant-a"});
+    engine.publish(json!([stored(json!([-14]), json!(-13), 3, 4, id)]));
+    let bridge = Bridge::start(&daemon, port, Some(replay), vec![1]).await;
+    bridge.hears(&mut engine).await;
+    wait_answer(&router, || plain().with_lora("sql").with_salt("tenant-a"), 1, (4, false)).await;
+    wait_answer(&router, plain, 1, (1, false)).await;
+    assert_eq!(bridge.metric("kvindex_bridge_replays_total{result=\"ok\"}").await, 1.0);
     bridge.stop().await;
     daemon.stop().await.unwrap();
 }
