@@ -218,7 +218,7 @@ fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
     if let Some(per_block) = extra {
         for (i, (local, keys)) in locals.iter_mut().zip(per_block).enumerate() {
             let salt = if i == 0 { salt } else { None };
-            *local = fold_extra(*local, &without_identity(keys, lora_name.as_deref(), salt));
+            *local = fold_keys(*local, keys, lora_name.as_deref(), salt);
         }
     }
     if let Some(ahead) = f.get("lookahead_token_ids") {
@@ -251,16 +251,27 @@ fn salt_key<'a>(keys: &'a Value, lora_name: Option<&str>) -> Option<&'a str> {
     keys[skip..].iter().find_map(Value::as_str)
 }
 
-/// A block's extra keys without what the identity rule already covers: the adapter's name
-/// vLLM puts first in every block's, and the salt it puts in the first block's.
-fn without_identity(keys: &Value, lora_name: Option<&str>, salt: Option<&str>) -> Value {
-    let Some(list) = keys.as_array() else { return keys.clone() };
+/// A block's local hash with its extra keys folded in ([`fold_extra`]), less what the
+/// identity rule already covers: the adapter's name vLLM puts first in every block's keys,
+/// and the salt it puts in the first block's. Encodes the rest without copying it.
+fn fold_keys(local: LocalHash, keys: &Value, lora_name: Option<&str>, salt: Option<&str>) -> LocalHash {
+    let Some(list) = keys.as_array() else { return fold_extra(local, keys) };
     let mut rest: &[Value] = list;
     if lora_name.is_some() && rest.first().and_then(Value::as_str) == lora_name {
         rest = &rest[1..];
     }
     let salt_at = salt.and_then(|s| rest.iter().position(|k| k.as_str() == Some(s)));
-    Value::Array(rest.iter().enumerate().filter(|(i, _)| Some(*i) != salt_at).map(|(_, k)| k.clone()).collect())
+    let len = rest.len() - usize::from(salt_at.is_some());
+    if len == 0 {
+        return local;
+    }
+    let mut buf = Vec::new();
+    // Writing into a Vec cannot fail; the length fits u32 (the payload is 64 MiB at most).
+    let _ = rmp::encode::write_array_len(&mut buf, len as u32);
+    for (_, k) in rest.iter().enumerate().filter(|(i, _)| Some(*i) != salt_at) {
+        let _ = rmpv::encode::write_value(&mut buf, k);
+    }
+    with_extra_keys(local, &buf)
 }
 
 /// A block's local hash with its extra keys (multimodal content hashes, prompt-embedding
