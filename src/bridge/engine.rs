@@ -223,17 +223,16 @@ fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
     }
     if let Some(ahead) = f.get("lookahead_token_ids") {
         let per_block = ahead.as_array().filter(|a| a.len() == hashes.len()).ok_or(Skip::Bad("bad_lookahead"))?;
-        for (local, toks) in locals.iter_mut().zip(per_block) {
-            let toks: Vec<u32> = match toks {
-                Value::Nil => continue,
-                t => t
-                    .as_array()
-                    .ok_or(Skip::Bad("bad_lookahead"))?
-                    .iter()
-                    .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
-                    .collect::<Option<_>>()
-                    .ok_or(Skip::Bad("bad_lookahead"))?,
-            };
+        // One buffer for every block's lookahead tokens.
+        let mut toks = Vec::new();
+        for (local, ahead) in locals.iter_mut().zip(per_block) {
+            if ahead.is_nil() {
+                continue;
+            }
+            toks.clear();
+            for t in ahead.as_array().ok_or(Skip::Bad("bad_lookahead"))? {
+                toks.push(t.as_u64().and_then(|t| u32::try_from(t).ok()).ok_or(Skip::Bad("bad_lookahead"))?);
+            }
             if !toks.is_empty() {
                 *local = with_lookahead(*local, &toks);
             }
@@ -246,9 +245,15 @@ fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
 /// The salt in a request's first block's extra keys (vLLM): the bare string after the
 /// adapter's name, if any (multimodal keys are pairs, prompt-embedding digests bytes).
 fn salt_key<'a>(keys: &'a Value, lora_name: Option<&str>) -> Option<&'a str> {
-    let keys = keys.as_array()?;
-    let skip = usize::from(lora_name.is_some() && keys.first().and_then(Value::as_str) == lora_name);
-    keys[skip..].iter().find_map(Value::as_str)
+    after_adapter(keys.as_array()?, lora_name).iter().find_map(Value::as_str)
+}
+
+/// A block's extra keys after the adapter's name, which vLLM puts first in every block's.
+fn after_adapter<'a>(keys: &'a [Value], lora_name: Option<&str>) -> &'a [Value] {
+    match keys.split_first() {
+        Some((first, rest)) if lora_name.is_some() && first.as_str() == lora_name => rest,
+        _ => keys,
+    }
 }
 
 /// A block's local hash with its extra keys folded in ([`fold_extra`]), less what the
@@ -256,10 +261,7 @@ fn salt_key<'a>(keys: &'a Value, lora_name: Option<&str>) -> Option<&'a str> {
 /// and the salt it puts in the first block's. Encodes the rest without copying it.
 fn fold_keys(local: LocalHash, keys: &Value, lora_name: Option<&str>, salt: Option<&str>) -> LocalHash {
     let Some(list) = keys.as_array() else { return fold_extra(local, keys) };
-    let mut rest: &[Value] = list;
-    if lora_name.is_some() && rest.first().and_then(Value::as_str) == lora_name {
-        rest = &rest[1..];
-    }
+    let rest = after_adapter(list, lora_name);
     let salt_at = salt.and_then(|s| rest.iter().position(|k| k.as_str() == Some(s)));
     let len = rest.len() - usize::from(salt_at.is_some());
     if len == 0 {

@@ -21,6 +21,8 @@ pub(super) struct Cursor {
     pub(super) last_seen: Instant,
     /// A snapshot opened with `cleared` and has had no gap since.
     snapshot_clean: bool,
+    /// Its last batch said `incomplete`: only around such batches is its stale flag looked up.
+    incomplete: bool,
 }
 
 /// Every worker's cursor, with what bounds them: each `(worker, dp rank)` costs state here and
@@ -54,7 +56,13 @@ impl Cursors {
             }
             *ranks += 1;
         }
-        Ok(self.by_worker.entry(w).or_insert(Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false }))
+        Ok(self.by_worker.entry(w).or_insert(Cursor {
+            epoch,
+            next_id: None,
+            last_seen: now,
+            snapshot_clean: false,
+            incomplete: false,
+        }))
     }
 
     /// Where every worker's sequence stands, for a snapshot: (worker, epoch, next event id).
@@ -143,7 +151,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         // The publisher restarted: whatever it held before is gone.
         m.epochs_changed.inc();
         tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
-        *c = Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false };
+        *c = Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false, incomplete: false };
         out.push(Event::Cleared);
         // Whole again once the `cleared` is applied (see `clear_after` below).
         clear_after = state.stale.get(&w).map(|r| r.generation);
@@ -219,6 +227,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     if h.snapshot_end {
         c.snapshot_clean = false;
     }
+    let was_incomplete = std::mem::replace(&mut c.incomplete, h.incomplete);
     drop(cursors);
     if h.snapshot && (opened || h.snapshot_end) {
         state.snapshot_progress(w, opened, h.snapshot_end);
@@ -255,15 +264,19 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     }
     // The publisher's own word that its block set misses blocks (a bridge started after its
     // engine): stale while it says so, whatever a snapshot from it says; whole once it stops.
-    let flagged_incomplete = state.stale.get(&w).is_some_and(|r| r.reason == INCOMPLETE);
-    if h.incomplete {
-        clear_after = None;
-        if !flagged_incomplete && !gap && !midstream {
-            state.log.warn("incomplete", || format!("worker {w} says it misses blocks its engine holds; stale while it does"));
-            state.mark_stale_asked(w, INCOMPLETE);
+    if h.incomplete || was_incomplete {
+        let flagged = state.stale.get(&w).filter(|r| r.reason == INCOMPLETE).map(|r| r.generation);
+        if h.incomplete {
+            clear_after = None;
+            if flagged.is_none() && !gap && !midstream {
+                state
+                    .log
+                    .warn("incomplete", || format!("worker {w} says it misses blocks its engine holds; stale while it does"));
+                state.mark_stale_asked(w, INCOMPLETE);
+            }
+        } else if flagged.is_some() && !gap && !midstream {
+            clear_after = flagged;
         }
-    } else if flagged_incomplete && !gap && !midstream {
-        clear_after = state.stale.get(&w).map(|r| r.generation);
     }
     if !out.is_empty() {
         if let Err(full) = pool.try_apply(w, out, h.ts_ns) {

@@ -2,7 +2,7 @@
 //! kvindex's rolling prefix hashes, and worker identities.
 
 use serde::{Deserialize, Serialize};
-use xxhash_rust::xxh3::xxh3_64_with_seed;
+use xxhash_rust::xxh3::{xxh3_64_with_seed, Xxh3};
 
 /// Seed of every XXH3-64 hash kvindex computes (the scheme NVIDIA Dynamo uses).
 pub const HASH_SEED: u64 = 1337;
@@ -198,13 +198,14 @@ pub fn local_hashes_ahead(
 /// (never the first byte of msgpack, so this never meets [`with_extra_keys`]'s input), then
 /// the tokens as little-endian u32.
 pub fn with_lookahead(local: LocalHash, ahead: &[u32]) -> LocalHash {
-    let mut buf = Vec::with_capacity(9 + ahead.len() * 4);
-    buf.extend_from_slice(&local.0.to_le_bytes());
-    buf.push(0xc1);
+    // Streamed (the same XXH3-64 as over one buffer), so a lookup allocates nothing per block.
+    let mut h = Xxh3::with_seed(HASH_SEED);
+    h.update(&local.0.to_le_bytes());
+    h.update(&[0xc1]);
     for t in ahead {
-        buf.extend_from_slice(&t.to_le_bytes());
+        h.update(&t.to_le_bytes());
     }
-    LocalHash(xxh3_64_with_seed(&buf, HASH_SEED))
+    LocalHash(h.digest())
 }
 
 /// A block's local hash with its extra keys folded in (multimodal content hashes, per-block
@@ -287,6 +288,9 @@ mod tests {
         assert_ne!(changed[0], ahead[0], "a token inside the first block's lookahead changes it");
         assert_eq!(local_hashes_ahead(&toks, 4, None, None, 0), plain);
         assert_ne!(with_lookahead(plain[0], &[]), plain[0]);
+        // The documented formula: one XXH3-64 over the local hash, 0xc1 and the tokens.
+        let bytes: Vec<u8> = [&plain[0].0.to_le_bytes()[..], &[0xc1], &4u32.to_le_bytes(), &5u32.to_le_bytes()].concat();
+        assert_eq!(ahead[0].0, xxh3_64_with_seed(&bytes, HASH_SEED));
     }
 
     #[test]
