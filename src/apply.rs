@@ -9,6 +9,7 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use kvindex_core::announced::{AnnounceOutcome, Announced};
+use kvindex_core::groups::{GroupWriter, Groups, SavedGroups};
 use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::{ApplyOutcome, KvIndex, Saved};
 use kvindex_core::seeded::{SeededMap, SeededState};
@@ -89,6 +90,9 @@ pub struct SavedWorker {
     pub device: Saved,
     /// Its host and disk blocks.
     pub tiers: SavedTiers,
+    /// A hybrid model's other groups (absent for other workers, and in older snapshots).
+    #[serde(default)]
+    pub groups: Option<SavedGroups>,
 }
 
 /// What one worker holds in each tier (engine hashes), as its apply thread counts them.
@@ -102,6 +106,8 @@ pub struct WorkerHeld {
     pub host: u64,
     /// Its disk blocks.
     pub disk: u64,
+    /// Blocks it holds in a hybrid model's other groups (one per group holding it).
+    pub grouped: u64,
     /// Blocks routers announced for it that its events have not shown (predictions).
     pub predicted: u64,
     /// Batches waiting in its apply thread's queue.
@@ -127,6 +133,8 @@ pub struct ApplyPool<I: KvIndex> {
     index: Arc<I>,
     /// The host and disk tiers' indexes, when kept; without them their events are ignored.
     others: Option<Arc<OtherTiers<I>>>,
+    /// Hybrid models' other groups; without them their events are counted as missed.
+    groups: Option<Arc<Groups<I>>>,
     senders: Vec<Sender<Command>>,
     handles: Vec<JoinHandle<()>>,
     totals: Arc<Vec<Mutex<ApplyOutcome>>>,
@@ -154,14 +162,15 @@ impl<I: KvIndex> ApplyPool<I> {
         queue_capacity: usize,
         on_applied: Option<OnApplied>,
     ) -> Self {
-        Self::start(index, others, None, threads, queue_capacity, on_applied)
+        Self::start(index, others, None, None, threads, queue_capacity, on_applied)
     }
 
-    /// As [`ApplyPool::new`], applying host and disk events to `others` and, with
-    /// `announcing`, keeping routers' announced placements.
+    /// As [`ApplyPool::new`], applying host and disk events to `others`, hybrid models' other
+    /// groups to `groups` and, with `announcing`, keeping routers' announced placements.
     pub fn start(
         index: Arc<I>,
         others: Option<Arc<OtherTiers<I>>>,
+        groups: Option<Arc<Groups<I>>>,
         announcing: Option<Announcing<I>>,
         threads: usize,
         queue_capacity: usize,
@@ -178,21 +187,40 @@ impl<I: KvIndex> ApplyPool<I> {
         for t in 0..threads {
             let (tx, rx) = bounded(queue_capacity.max(1));
             senders.push(tx);
-            let (index, others, totals, stats, hook) =
-                (index.clone(), others.clone(), totals.clone(), stats.clone(), on_applied.clone());
+            let (index, others, groups, totals, stats, hook) =
+                (index.clone(), others.clone(), groups.clone(), totals.clone(), stats.clone(), on_applied.clone());
             let announce = announcing.clone().map(|a| (a, predicted_total.clone()));
             let handle = std::thread::Builder::new()
                 .name(format!("kvindex-apply-{t}"))
-                .spawn(move || apply_loop(&*index, others.as_deref(), announce, rx, &totals[t], &stats, hook))
+                .spawn(move || {
+                    let parts = Parts { index: &*index, others: others.as_deref(), groups: groups.as_deref() };
+                    apply_loop(parts, announce, rx, &totals[t], &stats, hook)
+                })
                 .expect("spawning an apply thread");
             handles.push(handle);
         }
-        ApplyPool { index, others, senders, handles, totals, stats, spread: SeededState::default(), predicted_total, predicted }
+        ApplyPool {
+            index,
+            others,
+            groups,
+            senders,
+            handles,
+            totals,
+            stats,
+            spread: SeededState::default(),
+            predicted_total,
+            predicted,
+        }
     }
 
     /// The index the pool writes to.
     pub fn index(&self) -> &Arc<I> {
         &self.index
+    }
+
+    /// Hybrid models' other groups, if kept.
+    pub fn groups(&self) -> Option<&Arc<Groups<I>>> {
+        self.groups.as_ref()
     }
 
     /// The host and disk tiers' indexes, if kept.
@@ -349,6 +377,8 @@ impl<I: KvIndex> ApplyPool<I> {
 struct Writers<W> {
     device: W,
     others: TierWriters<W>,
+    /// Its other groups, from its first batch with a group event (a hybrid model).
+    groups: Option<GroupWriter<W>>,
     /// A routed-only worker's announced blocks (its device blocks are these, and only these).
     routed: Option<Announced>,
 }
@@ -379,7 +409,7 @@ fn writers_of<'a, I: KvIndex>(
     match writers.entry(worker) {
         std::collections::hash_map::Entry::Occupied(o) => Some(o.into_mut()),
         std::collections::hash_map::Entry::Vacant(v) => match index.writer(worker) {
-            Ok(w) => Some(v.insert(Writers { device: w, others: TierWriters::default(), routed: None })),
+            Ok(w) => Some(v.insert(Writers { device: w, others: TierWriters::default(), groups: None, routed: None })),
             Err(_) => {
                 let out = ApplyOutcome { refused, ..ApplyOutcome::default() };
                 total.lock().add(&out);
@@ -392,15 +422,37 @@ fn writers_of<'a, I: KvIndex>(
     }
 }
 
+/// The indexes an apply thread writes to.
+struct Parts<'a, I: KvIndex> {
+    /// The main (device) index.
+    index: &'a I,
+    /// Host and disk tiers, if kept.
+    others: Option<&'a OtherTiers<I>>,
+    /// Hybrid models' other groups, if kept.
+    groups: Option<&'a Groups<I>>,
+}
+
+impl<I: KvIndex> Clone for Parts<'_, I> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<I: KvIndex> Copy for Parts<'_, I> {}
+
+fn is_group_event(ev: &Event) -> bool {
+    matches!(ev, Event::GroupStored { .. } | Event::GroupRemoved { .. })
+}
+
 fn apply_loop<I: KvIndex>(
-    index: &I,
-    others: Option<&OtherTiers<I>>,
+    parts: Parts<'_, I>,
     announcing: Option<(Arc<Announcing<I>>, Arc<AtomicU64>)>,
     rx: Receiver<Command>,
     total: &Mutex<ApplyOutcome>,
     stats: &PoolStats,
     hook: Option<OnApplied>,
 ) {
+    let Parts { index, others, groups } = parts;
     let mut writers: SeededMap<WorkerId, Writers<I::Writer>> = SeededMap::default();
     let mut announced = announcing.map(|(cfg, total)| AnnounceState {
         cfg,
@@ -414,12 +466,25 @@ fn apply_loop<I: KvIndex>(
                 let taken = std::time::Instant::now();
                 let Some(w) = writers_of(&mut writers, index, worker, events.len() as u64, total, &hook) else { continue };
                 let mut out = ApplyOutcome::default();
+                if let (Some(g), None) = (groups, &w.groups) {
+                    if events.iter().any(is_group_event) {
+                        w.groups = Some(g.writer(worker));
+                    }
+                }
                 for ev in &events {
                     out.add(&ev.apply_to(index, &mut w.device));
+                    match (groups, w.groups.as_mut()) {
+                        (Some(g), Some(gw)) => out.add(&g.apply(gw, ev)),
+                        _ if is_group_event(ev) => out.group_missed += ev.blocks() as u64,
+                        _ => {}
+                    }
                     if let Some(others) = others {
                         let tier = match ev {
                             Event::Cleared => others.clear(&mut w.others),
-                            Event::Stored { tier: Tier::Device, .. } | Event::Removed { tier: Tier::Device, .. } => continue,
+                            Event::Stored { tier: Tier::Device, .. }
+                            | Event::Removed { tier: Tier::Device, .. }
+                            | Event::GroupStored { .. }
+                            | Event::GroupRemoved { .. } => continue,
                             _ => others.apply(worker, &mut w.others, ev),
                         };
                         // Another tier's counts are its own: only refusals and orphans are told.
@@ -454,6 +519,9 @@ fn apply_loop<I: KvIndex>(
                     if let Some(others) = others {
                         others.remove_worker(w.others);
                     }
+                    if let (Some(g), Some(gw)) = (groups, w.groups) {
+                        g.remove_worker(gw);
+                    }
                     total.lock().add(&out);
                 }
             }
@@ -461,23 +529,20 @@ fn apply_loop<I: KvIndex>(
                 // Routed-only workers are soft state, rebuilt by the next announcements: a
                 // snapshot would bring back blocks without their ages.
                 for (&worker, w) in writers.iter().filter(|(_, w)| w.routed.is_none()) {
-                    let tiers = others.map(|o| o.save(&w.others)).unwrap_or_default();
-                    let _ = tx.send(SavedWorker { worker, device: index.save(&w.device), tiers });
+                    let _ = tx.send(save_worker(parts, worker, w));
                 }
             }
             Command::Held(tx) => {
                 for (&worker, w) in writers.iter() {
                     let (host, disk) = others.map_or((0, 0), |o| o.held(&w.others));
+                    let grouped = groups.zip(w.groups.as_ref()).map_or(0, |(g, gw)| g.held(gw));
                     let predicted = announced.as_ref().and_then(|a| a.predicted.get(&worker)).map_or(0, |p| p.0.len() as u64);
-                    let _ = tx.send(WorkerHeld { worker, device: index.held(&w.device), host, disk, predicted, queued: 0 });
+                    let _ =
+                        tx.send(WorkerHeld { worker, device: index.held(&w.device), host, disk, grouped, predicted, queued: 0 });
                 }
             }
             Command::SaveOne(worker, tx) => {
-                let saved = writers.get(&worker).map(|w| SavedWorker {
-                    worker,
-                    device: index.save(&w.device),
-                    tiers: others.map(|o| o.save(&w.others)).unwrap_or_default(),
-                });
+                let saved = writers.get(&worker).map(|w| save_worker(parts, worker, w));
                 let _ = tx.send(saved);
             }
             Command::Restore(saved) => {
@@ -489,6 +554,10 @@ fn apply_loop<I: KvIndex>(
                     out.refused += tier.refused;
                     out.tier_unplaceable += tier.unplaceable;
                 }
+                if let (Some(g), Some(sg)) = (groups, &saved.groups) {
+                    let gw = w.groups.get_or_insert_with(|| g.writer(saved.worker));
+                    out.add(&g.restore(gw, sg));
+                }
                 total.lock().add(&out);
                 if let Some(h) = &hook {
                     h(saved.worker, &out, 0, taken);
@@ -499,6 +568,16 @@ fn apply_loop<I: KvIndex>(
                 let _ = done.send(());
             }
         }
+    }
+}
+
+/// One worker as a snapshot keeps it.
+fn save_worker<I: KvIndex>(parts: Parts<'_, I>, worker: WorkerId, w: &Writers<I::Writer>) -> SavedWorker {
+    SavedWorker {
+        worker,
+        device: parts.index.save(&w.device),
+        tiers: parts.others.map(|o| o.save(&w.others)).unwrap_or_default(),
+        groups: parts.groups.zip(w.groups.as_ref()).map(|(g, gw)| g.save(gw)),
     }
 }
 

@@ -37,6 +37,7 @@ pub struct Metrics {
     pub apply_queue_capacity: IntGauge,
     pub tier_blocks: IntGaugeVec,
     pub tier_unplaceable_blocks: IntCounter,
+    pub group_missed_blocks: IntCounter,
     pub lookups: IntCounterVec,
     pub lookup_duration: HistogramVec,
     pub index_placements: IntGauge,
@@ -252,6 +253,11 @@ impl Metrics {
                 &r,
                 "kvindex_tier_unplaceable_blocks_total",
                 "Host or disk blocks whose parent the worker does not hold in that tier (not placed there; the worker stays whole).",
+            ),
+            group_missed_blocks: counter(
+                &r,
+                "kvindex_group_missed_blocks_total",
+                "Blocks of a hybrid model's other groups not placed (their hash not held in the worker's primary group) or removed unheld: such a worker's depth comes out shallower, never deeper.",
             ),
             apply_queue_capacity: gauge(
                 &r,

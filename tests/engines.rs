@@ -287,8 +287,9 @@ async fn vllm_through_its_own_publisher() {
     .await;
     assert!(tiered.is_some(), "STORAGE blocks are on disk, CPU blocks in host memory");
 
-    // An unknown medium is skipped and counted; a sliding-window group and a remote block too,
-    // and their batch's other events still apply.
+    // An unknown medium is skipped and counted; so are a sliding-window group that does not
+    // say its window (a kind kvindex cannot follow) and a remote block, and their batch's other
+    // events still apply.
     let odd = stored(json!([71]), Value::Null, 3, 4, json!({"medium": "HBM_POOL"}));
     let window = stored(json!([72]), json!(digest(3)), 3, 4, json!({"group_idx": 1, "kv_cache_spec_kind": "sliding_window"}));
     let remote = stored(json!([73]), json!(digest(3)), 3, 4, json!({"locality": "REMOTE"}));
@@ -296,7 +297,7 @@ async fn vllm_through_its_own_publisher() {
     engine.publish(json!([odd, window, remote, next]));
     wait_answer(&router, || plain(8), 0, (4, false)).await;
     assert_eq!(bridge.metric("kvindex_bridge_skipped_events_total{reason=\"unknown_medium\"}").await, 1.0);
-    assert_eq!(bridge.metric("kvindex_bridge_skipped_events_total{reason=\"other_group\"}").await, 1.0);
+    assert_eq!(bridge.metric("kvindex_bridge_skipped_events_total{reason=\"unsupported_group\"}").await, 1.0);
     assert_eq!(bridge.metric("kvindex_bridge_skipped_events_total{reason=\"remote\"}").await, 1.0);
 
     // Removals by digest and by integer.
@@ -318,6 +319,73 @@ async fn vllm_through_its_own_publisher() {
     wait_answer(&router, || plain(8), 0, (1, false)).await;
     assert!(bridge.metric("kvindex_bridge_engine_restarts_total").await >= 1.0);
     assert_eq!(bridge.metric("kvindex_bridge_decode_failures_total{reason=\"bad_frames\"}").await, 0.0);
+
+    bridge.stop().await;
+    daemon.stop().await.unwrap();
+}
+
+/// A store of hybrid group `group` as vLLM's `take_events` annotates it (`kind`, `window`).
+fn group_stored(group: u32, kind: &str, window: Option<u32>, hashes: Value, parent: Value, from: u32, to: u32) -> Value {
+    let spec = json!({"group_idx": group, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window});
+    stored(hashes, parent, from, to, spec)
+}
+
+fn group_removed(group: u32, hashes: Value) -> Value {
+    json!({"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU", "group_idx": group})
+}
+
+/// A hybrid model as vLLM's hybrid allocator publishes it: group 0 sliding-window attention
+/// (a 9-token window over 4-token blocks: the 2 blocks before the cut), group 1 full
+/// attention, group 2 Mamba (a state at the cut). Sliding-window and Mamba stores leave their
+/// null blocks out of `block_hashes`, as vLLM does, while `token_ids` still spans them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_hybrid_model_answers_what_every_group_can_serve() {
+    let (nats, daemon, router) = setup().await;
+    let (port, replay) = (port_pair(), port_pair());
+    let mut engine = Engine::start("vllm", port, Some(replay), 10_000, 0);
+    let bridge = Bridge::start(&daemon, port, Some(replay), vec![0]).await;
+    bridge.hears(&mut engine).await;
+    let prompt: Vec<u32> = tokens(0, 6);
+    let first = |blocks: u32| Query::tokens(&prompt[..blocks as usize * 4], 4);
+
+    // A 6-block prefill, the groups in vLLM's order: the window keeps blocks 2-5, Mamba the
+    // state after block 5, full attention every block.
+    engine.publish(json!([
+        group_stored(0, "sliding_window", Some(9), json!([103, 104, 105, 106]), Value::Null, 0, 6),
+        group_stored(1, "full_attention", None, json!([101, 102, 103, 104, 105, 106]), Value::Null, 0, 6),
+        group_stored(2, "mamba", None, json!([106]), Value::Null, 0, 6),
+    ]));
+    wait_answer(&router, || first(6), 0, (6, false)).await;
+    // Cut after block 4: no Mamba state there, nor before: nothing is reusable.
+    assert_eq!(answer(&router, &first(5), 0).await, (0, false));
+
+    // A Mamba checkpoint after block 3 (vLLM's prefill checkpoints): 4 blocks are reusable;
+    // and a Mamba block whose hash full attention never held is counted, not placed.
+    engine.publish(json!([group_stored(2, "mamba", None, json!([104, 999]), json!(103), 3, 4)]));
+    wait_answer(&router, || first(5), 0, (4, false)).await;
+    let missed =
+        eventually(20, || async { (daemon.metric("kvindex_group_missed_blocks_total").await == 1.0).then_some(()) }).await;
+    assert!(missed.is_some(), "the unplaced Mamba block is counted");
+
+    // The window evicts block 2: a cut after block 4 needs blocks 2-3 there.
+    engine.publish(json!([group_removed(0, json!([103]))]));
+    wait_answer(&router, || first(5), 0, (0, false)).await;
+    assert_eq!(answer(&router, &first(6), 0).await, (6, false), "the window still covers blocks 4-5");
+
+    // A new kvindex (its state lost) asks the bridge for a snapshot: every group comes back.
+    daemon.stop().await.unwrap();
+    let daemon = Daemon::start(&nats.url(), |_| {}).await;
+    wait_answer(&router, || first(6), 0, (6, false)).await;
+    assert_eq!(answer(&router, &first(5), 0).await, (0, false), "the window's eviction of block 2 is in the snapshot");
+
+    // Full attention caps every group: evicting block 5 there leaves nothing reusable (the
+    // Mamba state after block 3 needs the window's blocks 2-3), whatever the others hold.
+    engine.publish(json!([group_removed(1, json!([106]))]));
+    wait_answer(&router, || first(6), 0, (0, false)).await;
+    // Cached there again, it joins what the other groups kept.
+    engine.publish(json!([group_stored(1, "full_attention", None, json!([106]), json!(105), 5, 6)]));
+    wait_answer(&router, || first(6), 0, (6, false)).await;
+    assert_eq!(bridge.metric("kvindex_bridge_skipped_events_total{reason=\"unsupported_group\"}").await, 0.0);
 
     bridge.stop().await;
     daemon.stop().await.unwrap();

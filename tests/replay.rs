@@ -73,6 +73,7 @@ fn replay<I: KvIndex>(index: &I, wl: &Workload) -> Vec<Vec<WorkerMatch>> {
                     Event::Cleared => {
                         index.clear(wr);
                     }
+                    Event::GroupStored { .. } | Event::GroupRemoved { .. } => panic!("the traces have no hybrid groups"),
                 }
             }
         }

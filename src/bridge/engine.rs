@@ -4,7 +4,7 @@
 //! event is counted and skipped, never its batch.
 
 use kvindex_core::hash::{local_hashes, with_extra_keys, with_lookahead, BlockHash, LocalHash, StoredBlock};
-use kvindex_core::{Event, Tier};
+use kvindex_core::{Event, GroupKind, Tier};
 use rmpv::Value;
 
 /// Largest payload decoded: a batch bigger than this is refused whole (counted), so a frame
@@ -19,7 +19,50 @@ pub struct EngineBatch {
     /// `data_parallel_rank` (vLLM, TensorRT-LLM) or `attn_dp_rank` (SGLang).
     pub dp_rank: Option<u32>,
     /// Each event decoded on its own: kept, or skipped with a reason.
-    pub events: Vec<Result<Event, Skip>>,
+    pub events: Vec<Result<EngineEvent, Skip>>,
+}
+
+/// One decoded engine event, with the KV-cache group it names (vLLM's hybrid models).
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineEvent {
+    /// The event. A store of a group that is not full attention comes as
+    /// [`Event::GroupStored`] with group 0: the rank's group map numbers it.
+    pub event: Event,
+    /// `group_idx` and what the event says of the group's kind; `None` when it names none.
+    pub group: Option<EngineGroup>,
+}
+
+/// The KV-cache group an engine event names.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EngineGroup {
+    /// The engine's `group_idx`.
+    pub idx: u32,
+    /// Its kind, if the event says (stores do, removals do not).
+    pub kind: Option<EngineKind>,
+}
+
+/// A group's kind as kvindex can follow it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineKind {
+    /// Full attention, sliding window or state: indexed.
+    Known(GroupKind),
+    /// A kind kvindex does not model (chunked local, cross or encoder-only attention, unknown).
+    Unsupported,
+}
+
+/// The kind of a group from vLLM's `kv_cache_spec_kind` and `kv_cache_spec_sliding_window`.
+pub fn engine_kind(kind: Option<&str>, window: Option<u64>, block_size: Option<u32>) -> Option<EngineKind> {
+    let window_kind = || match (window.and_then(|w| u32::try_from(w).ok()).filter(|w| *w > 0), block_size) {
+        (Some(w), Some(b)) => EngineKind::Known(GroupKind::window(w, b)),
+        _ => EngineKind::Unsupported,
+    };
+    let Some(kind) = kind else { return window.filter(|w| *w > 0).map(|_| window_kind()) };
+    Some(match kind.to_ascii_lowercase().as_str() {
+        "full_attention" | "mla_attention" | "sink_full_attention" => EngineKind::Known(GroupKind::Full),
+        "sliding_window" | "sliding_window_mla" => window_kind(),
+        "mamba" => EngineKind::Known(GroupKind::State),
+        _ => EngineKind::Unsupported,
+    })
 }
 
 /// Why an event was not forwarded: its metric label says which.
@@ -144,25 +187,35 @@ impl<'a> Fields<'a> {
     }
 }
 
-fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
+fn decode_event(v: &Value, hashing: Hashing) -> Result<EngineEvent, Skip> {
     let f = Fields::of(v).ok_or(Skip::Bad("bad_event"))?;
     match f.kind {
-        "AllBlocksCleared" => return Ok(Event::Cleared),
+        "AllBlocksCleared" => return Ok(EngineEvent { event: Event::Cleared, group: None }),
         "BlockStored" | "BlockRemoved" => {}
         _ => return Err(Skip::Bad("unknown_kind")),
     }
-    if f.get("group_idx").and_then(Value::as_i64).is_some_and(|g| g != 0) {
-        return Err(Skip::Filtered("other_group"));
-    }
-    if let Some(kind) = f.get("kv_cache_spec_kind").and_then(Value::as_str) {
-        let k = kind.to_ascii_lowercase();
-        if k.contains("sliding") || k.contains("mamba") || k.contains("chunked") || k.contains("linear") {
-            return Err(Skip::Filtered("not_full_attention"));
-        }
-    }
-    if f.get("kv_cache_spec_sliding_window").and_then(Value::as_i64).is_some_and(|w| w > 0) {
-        return Err(Skip::Filtered("not_full_attention"));
-    }
+    let idx = match f.get("group_idx") {
+        None => None,
+        Some(g) => Some(g.as_u64().and_then(|g| u32::try_from(g).ok()).ok_or(Skip::Bad("bad_group"))?),
+    };
+    let block_size_field = f.get("block_size").and_then(Value::as_u64).and_then(|b| u32::try_from(b).ok()).filter(|b| *b > 0);
+    let kind = engine_kind(
+        f.get("kv_cache_spec_kind").and_then(Value::as_str),
+        f.get("kv_cache_spec_sliding_window").and_then(Value::as_u64),
+        block_size_field.or(hashing.block_size),
+    );
+    // An event without a group index but with a kind other than full attention is a group of its own.
+    let group = match (idx, kind) {
+        (None, None | Some(EngineKind::Known(GroupKind::Full))) => None,
+        (idx, kind) => Some(EngineGroup { idx: idx.unwrap_or(0), kind }),
+    };
+    let event = decode_block_event(&f, hashing, kind)?;
+    Ok(EngineEvent { event, group })
+}
+
+/// A `BlockStored` or `BlockRemoved` as a domain event; a store of a group of `kind` other than
+/// full attention needs only its hashes (its null blocks are left out of them).
+fn decode_block_event(f: &Fields<'_>, hashing: Hashing, kind: Option<EngineKind>) -> Result<Event, Skip> {
     if f.get("locality").and_then(Value::as_str).is_some_and(|l| l.eq_ignore_ascii_case("remote")) {
         return Err(Skip::Filtered("remote"));
     }
@@ -176,6 +229,16 @@ fn decode_event(v: &Value, hashing: Hashing) -> Result<Event, Skip> {
     let hashes = hash_list(f.get("block_hashes")).ok_or(Skip::Bad("bad_hashes"))?;
     if f.kind == "BlockRemoved" {
         return Ok(Event::Removed { hashes: hashes.into_iter().map(BlockHash).collect(), tier });
+    }
+    match kind {
+        Some(EngineKind::Unsupported) => return Err(Skip::Filtered("unsupported_group")),
+        Some(EngineKind::Known(kind)) if kind != GroupKind::Full => {
+            if tier != Tier::Device {
+                return Err(Skip::Filtered("group_off_device"));
+            }
+            return Ok(Event::GroupStored { group: 0, kind, hashes: hashes.into_iter().map(BlockHash).collect() });
+        }
+        _ => {}
     }
     let parent = match f.get("parent_block_hash") {
         None => None,
@@ -465,7 +528,7 @@ mod tests {
         let want: Vec<u32> = (0..8).collect();
         let locals = local_hashes(&want, 4, None, None);
         assert_eq!(
-            a.events[0],
+            a.events[0].clone().map(|e| e.event),
             Ok(Event::Stored {
                 parent: None,
                 blocks: vec![
@@ -513,13 +576,13 @@ mod tests {
         ]);
         let b = decode_batch(&enc(&arr(vec![Value::from(0), events])), H).unwrap();
         assert_eq!(
-            b.events,
+            crate::bridge::groups::RankGroups::default().route(b.events),
             vec![
                 Err(Skip::Bad("unknown_kind")),
                 Err(Skip::Bad("bad_tokens")),
-                Err(Skip::Filtered("other_group")),
+                Err(Skip::Filtered("no_full_attention_group")),
                 Err(Skip::Filtered("remote")),
-                Err(Skip::Filtered("not_full_attention")),
+                Err(Skip::Filtered("unsupported_group")),
                 Ok(Event::Removed { hashes: vec![BlockHash(5)], tier: Tier::Host }),
                 Ok(Event::Cleared),
             ]
@@ -540,7 +603,7 @@ mod tests {
                 meta,
                 extra,
             ]);
-            match decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap().events.remove(0) {
+            match decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap().events.remove(0).map(|e| e.event) {
                 Ok(Event::Stored { blocks, .. }) => blocks.iter().map(|b| b.tokens_hash).collect::<Vec<_>>(),
                 other => panic!("{other:?}"),
             }
@@ -559,7 +622,7 @@ mod tests {
     /// The locals of one decoded `BlockStored` map event.
     fn locals_of(fields: Vec<(&str, Value)>) -> Vec<LocalHash> {
         let ev = map([vec![("type", s("BlockStored")), ("block_size", Value::from(4))], fields].concat());
-        match decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap().events.remove(0) {
+        match decode_batch(&enc(&arr(vec![Value::from(0), arr(vec![ev])])), H).unwrap().events.remove(0).map(|e| e.event) {
             Ok(Event::Stored { blocks, .. }) => blocks.iter().map(|b| b.tokens_hash).collect(),
             other => panic!("{other:?}"),
         }

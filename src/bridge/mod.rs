@@ -5,15 +5,18 @@
 //!
 //! - this file: the per-rank loop: frames, the engine's sequence, replay, new epochs;
 //! - [`engine`]: the engines' msgpack batches and events, decoded into domain events;
+//! - [`groups`]: a rank's KV-cache groups (hybrid models), and each event's group in kvindex;
 //! - [`metrics`]: the bridge's counters and its `/metrics`, `/healthz`, `/readyz`.
 
 pub mod engine;
+pub mod groups;
 mod metrics;
 
 use crate::config::{BridgeSettings, Config};
 use anyhow::Context;
 use bytes::Bytes;
 use engine::{decode_batch, EngineBatch, Hashing, Skip};
+use groups::RankGroups;
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_core::Event;
 pub use metrics::BridgeMetrics;
@@ -89,6 +92,8 @@ struct RankBridge {
     media_named: HashSet<String>,
     /// The block set misses blocks the engine cached before the bridge could see them.
     incomplete: bool,
+    /// The engine's KV-cache groups, as its events have shown them.
+    groups: RankGroups,
 }
 
 /// How many unknown media a rank names in its log.
@@ -119,6 +124,7 @@ impl RankBridge {
             metrics,
             media_named: HashSet::new(),
             incomplete: false,
+            groups: RankGroups::default(),
         })
     }
 
@@ -313,8 +319,18 @@ impl RankBridge {
         self.metrics.batches.inc();
         let EngineBatch { events, ts, .. } = batch;
         self.publisher.wait_for_room().await;
-        for ev in events {
+        for ev in self.groups.route(events) {
             match ev {
+                Ok(Event::GroupStored { group, kind, hashes }) => {
+                    self.metrics.events.with_label_values(&["stored"]).inc();
+                    self.metrics.blocks.inc_by(hashes.len() as u64);
+                    self.publisher.group_stored(group, kind, &hashes);
+                }
+                Ok(Event::GroupRemoved { group, hashes }) => {
+                    self.metrics.events.with_label_values(&["removed"]).inc();
+                    self.metrics.blocks.inc_by(hashes.len() as u64);
+                    self.publisher.group_removed(group, &hashes);
+                }
                 Ok(Event::Stored { parent, blocks, tier }) => {
                     self.metrics.events.with_label_values(&["stored"]).inc();
                     self.metrics.blocks.inc_by(blocks.len() as u64);

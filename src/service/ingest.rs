@@ -200,8 +200,8 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
             Event::Removed { tier, hashes } if *tier != Tier::Device => {
                 m.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
             }
-            Event::Stored { .. } => m.hot.events_stored.inc(),
-            Event::Removed { .. } => m.hot.events_removed.inc(),
+            Event::Stored { .. } | Event::GroupStored { .. } => m.hot.events_stored.inc(),
+            Event::Removed { .. } | Event::GroupRemoved { .. } => m.hot.events_removed.inc(),
             Event::Cleared => m.hot.events_cleared.inc(),
         }
         out.push(ev.data);

@@ -6,7 +6,8 @@ use crate::apply::ApplyPool;
 use async_nats::Client;
 use futures::StreamExt;
 use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, TierDepths, WorkerRef};
-use kvindex_core::index::{KvIndex, MatchOptions};
+use kvindex_core::groups::Groups;
+use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::seeded::SeededMap;
 use kvindex_core::tiers::{find_tiered, TieredMatch};
 use kvindex_core::{LocalHash, Tier, WorkerId};
@@ -200,7 +201,17 @@ struct Ask<'a> {
 fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupResponse {
     let Ask { query, opts, tiers, limit, room } = *ask;
     let index = &**pool.index();
+    let groups = pool.groups().filter(|g| g.any());
     let mut found: Vec<TieredMatch> = if tiers == [Tier::Device] {
+        // Hybrid workers' depths may come out lower: select the deepest after that.
+        let all;
+        let opts = match groups {
+            Some(_) => {
+                all = MatchOptions { max_matches: None, ..opts.clone() };
+                &all
+            }
+            None => opts,
+        };
         let device = index.find_matches(query, opts);
         device.into_iter().map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() }).collect()
     } else {
@@ -209,6 +220,9 @@ fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupR
             None => Vec::new(),
         }
     };
+    if let Some(groups) = groups {
+        limit_to_groups(groups, query, &mut found);
+    }
     let predicted = predictions(pool, query, opts, &mut found);
     found.truncate(limit);
     let asked = |t: Tier, depth: u32| tiers.contains(&t).then_some(depth);
@@ -226,6 +240,20 @@ fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupR
         .collect();
     let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());
     LookupResponse::Matches { matches, stale_workers }
+}
+
+/// Lowers each hybrid worker's device depth to what all its KV-cache groups can serve, drops
+/// the workers left with nothing in any tier, and sorts again, deepest first.
+fn limit_to_groups<I: KvIndex>(groups: &Groups<I>, query: &[LocalHash], found: &mut Vec<TieredMatch>) {
+    let mut device: Vec<WorkerMatch> =
+        found.iter().filter(|m| m.device > 0).map(|m| WorkerMatch { worker: m.worker, blocks: m.device }).collect();
+    groups.limit(query, &mut device);
+    let depth: SeededMap<WorkerId, u32> = device.into_iter().map(|m| (m.worker, m.blocks)).collect();
+    for m in found.iter_mut() {
+        m.device = depth.get(&m.worker).copied().unwrap_or(0);
+    }
+    found.retain(|m| m.deepest() > 0);
+    found.sort_unstable_by(|a, b| b.deepest().cmp(&a.deepest()).then(b.device.cmp(&a.device)).then(a.worker.cmp(&b.worker)));
 }
 
 /// Each worker's predicted depth where it reaches past its held one (held and announced

@@ -30,6 +30,7 @@ use async_nats::{Client, ConnectOptions, Event};
 use dashmap::DashMap;
 use futures::StreamExt;
 use ingest::Cursors;
+use kvindex_core::groups::Groups;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::runs::{RunConfig, RunIndex};
@@ -475,6 +476,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     metrics.apply_queue_capacity.set(cfg.queue_capacity as i64);
     let index = Arc::new(make());
     let others = Arc::new(OtherTiers::new(&make));
+    let groups = Arc::new(Groups::new(make()));
     let (resync_tx, resync_rx) = mpsc::unbounded_channel();
     let state = Arc::new(State {
         metrics: metrics.clone(),
@@ -507,6 +509,8 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
             m.too_deep_blocks.inc_by(out.too_deep);
             // Host or disk chains whose parent is not in that tier: counted, never stale.
             m.tier_unplaceable_blocks.inc_by(out.tier_unplaceable);
+            // Hybrid groups' blocks without a place: the depth comes out shallower, never stale.
+            m.group_missed_blocks.inc_by(out.group_missed);
             if out.refused > 0 {
                 m.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
                 let max = state.cfg.max_workers;
@@ -530,6 +534,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     let pool = Arc::new(ApplyPool::start(
         index.clone(),
         Some(others.clone()),
+        Some(groups),
         Some(announcing),
         threads,
         cfg.queue_capacity,

@@ -337,6 +337,7 @@ fn encode(cut: Cut, backend: String) -> anyhow::Result<Vec<u8>> {
                 worker: w,
                 device: Default::default(),
                 tiers: Default::default(),
+                groups: None,
             });
             SnapshotWorker { epoch, next_id, stale: stale.contains(&w), saved }
         })

@@ -209,6 +209,14 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
                     sent += hashes.len() as u64;
                 }
                 Event::Cleared => p.cleared(),
+                Event::GroupStored { group, kind, hashes } => {
+                    p.group_stored(*group, *kind, hashes);
+                    sent += hashes.len() as u64;
+                }
+                Event::GroupRemoved { group, hashes } => {
+                    p.group_removed(*group, hashes);
+                    sent += hashes.len() as u64;
+                }
             }
             if sent % 4096 < 64 {
                 pb.set_position(sent);

@@ -7,6 +7,7 @@
 //! array form; hashes are accepted as unsigned or as signed 64-bit integers (two's complement,
 //! for publishers in languages without u64).
 
+use kvindex_core::groups::{GroupKind, MAX_GROUP};
 use kvindex_core::hash::{local_hashes_ahead, BlockHash, LocalHash, StoredBlock};
 use kvindex_core::{Event, Tier};
 use serde::{Deserialize, Serialize};
@@ -63,11 +64,15 @@ pub enum DecodeError {
     /// `tier` names none of `device`, `host`, `disk`.
     #[error("tier is not device, host or disk")]
     BadTier,
+    /// A group event (`group` above 0) without a group in 1..=63, a `kind` of `full`,
+    /// `window` (with `window_blocks`) or `state`, or in a tier other than device.
+    #[error("group event without a group in 1..=63, a kind of full, window or state, or on device")]
+    BadGroup,
 }
 
 impl DecodeError {
     /// Every kind, so that a daemon can export each reason's counter from the start.
-    pub const ALL: [DecodeError; 8] = [
+    pub const ALL: [DecodeError; 9] = [
         DecodeError::NotMsgpack,
         DecodeError::BadBatch,
         DecodeError::BadEvent,
@@ -76,6 +81,7 @@ impl DecodeError {
         DecodeError::BadStored,
         DecodeError::BadRemoved,
         DecodeError::BadTier,
+        DecodeError::BadGroup,
     ];
 
     /// Stable label for metrics.
@@ -89,6 +95,7 @@ impl DecodeError {
             DecodeError::BadStored => "bad_stored",
             DecodeError::BadRemoved => "bad_removed",
             DecodeError::BadTier => "bad_tier",
+            DecodeError::BadGroup => "bad_group",
         }
     }
 }
@@ -313,16 +320,27 @@ fn read_blocks(rd: &mut Rd<'_>) -> Result<Vec<StoredBlock>, ()> {
 
 fn read_stored(rd: &mut Rd<'_>) -> Result<Event, DecodeError> {
     let (mut parent, mut blocks, mut tier) = (None, None, None);
+    let (mut group, mut kind, mut window, mut hashes) = (None, None, None, None);
     fields(rd, &["parent_hash", "blocks", "tier"], |k, rd| {
         match k {
             b"parent_hash" => parent = Some(rd.value()?),
             b"blocks" => blocks = Some(or_skip(rd, read_blocks)?),
             b"tier" => tier = Some(rd.value()?),
+            b"group" => group = Some(rd.value()?),
+            b"kind" => kind = Some(rd.value()?),
+            b"window_blocks" => window = Some(rd.value()?),
+            b"block_hashes" => hashes = Some(or_skip(rd, read_hashes)?),
             _ => rd.skip()?,
         }
         Some(())
     })
     .ok_or(DecodeError::BadStored)?;
+    if let Some(group) = read_group(group)? {
+        read_tier(tier).ok().filter(|t| *t == Tier::Device).ok_or(DecodeError::BadGroup)?;
+        let kind = read_kind(kind, window).ok_or(DecodeError::BadGroup)?;
+        let hashes = hashes.and_then(Result::ok).ok_or(DecodeError::BadStored)?;
+        return Ok(Event::GroupStored { group, kind, hashes });
+    }
     let parent = match parent {
         None => None,
         Some(p) if is_nil(p) => None,
@@ -330,6 +348,29 @@ fn read_stored(rd: &mut Rd<'_>) -> Result<Event, DecodeError> {
     };
     let blocks = blocks.and_then(Result::ok).ok_or(DecodeError::BadStored)?;
     Ok(Event::Stored { parent, blocks, tier: read_tier(tier)? })
+}
+
+/// An optional `group` field: absent, nil or 0 is the primary group (`None`).
+fn read_group(v: Option<&[u8]>) -> Result<Option<u8>, DecodeError> {
+    let Some(v) = v.filter(|v| !is_nil(v)) else { return Ok(None) };
+    match Rd::new(v).hash() {
+        Some(0) => Ok(None),
+        Some(g) if g <= u64::from(MAX_GROUP) => Ok(Some(g as u8)),
+        _ => Err(DecodeError::BadGroup),
+    }
+}
+
+/// A group's `kind` (`full`, `window` with `window_blocks` of at least 1, `state`).
+fn read_kind(kind: Option<&[u8]>, window: Option<&[u8]>) -> Option<GroupKind> {
+    match Rd::new(kind?).head()? {
+        Head::Str(b"full") => Some(GroupKind::Full),
+        Head::Str(b"state") => Some(GroupKind::State),
+        Head::Str(b"window") => {
+            let blocks = Rd::new(window?).hash()?;
+            (1..=u64::from(u32::MAX)).contains(&blocks).then_some(GroupKind::Window { blocks: blocks as u32 })
+        }
+        _ => None,
+    }
 }
 
 /// An optional `tier` field's value: absent or nil is `device`.
@@ -350,18 +391,25 @@ fn read_hashes(rd: &mut Rd<'_>) -> Result<Vec<BlockHash>, ()> {
 }
 
 fn read_removed(rd: &mut Rd<'_>) -> Result<Event, DecodeError> {
-    let (mut hashes, mut tier) = (None, None);
+    let (mut hashes, mut tier, mut group) = (None, None, None);
     fields(rd, &["block_hashes", "tier"], |k, rd| {
         match k {
             b"block_hashes" => hashes = Some(or_skip(rd, read_hashes)?),
             b"tier" => tier = Some(rd.value()?),
+            b"group" => group = Some(rd.value()?),
             _ => rd.skip()?,
         }
         Some(())
     })
     .ok_or(DecodeError::BadRemoved)?;
     let hashes = hashes.and_then(Result::ok).ok_or(DecodeError::BadRemoved)?;
-    Ok(Event::Removed { hashes, tier: read_tier(tier)? })
+    match read_group(group)? {
+        Some(group) => {
+            read_tier(tier).ok().filter(|t| *t == Tier::Device).ok_or(DecodeError::BadGroup)?;
+            Ok(Event::GroupRemoved { group, hashes })
+        }
+        None => Ok(Event::Removed { hashes, tier: read_tier(tier)? }),
+    }
 }
 
 /// An event's `data`: `"cleared"`, or a map of one kind to its body.
@@ -485,6 +533,8 @@ pub fn write_event(out: &mut Vec<u8>, e: &KvEvent) {
         Event::Stored { parent, blocks, tier } => write_stored(out, e.event_id, *parent, blocks, *tier),
         Event::Removed { hashes, tier } => write_removed(out, e.event_id, hashes, *tier),
         Event::Cleared => write_cleared(out, e.event_id),
+        Event::GroupStored { group, kind, hashes } => write_group_stored(out, e.event_id, *group, *kind, hashes),
+        Event::GroupRemoved { group, hashes } => write_group_removed(out, e.event_id, *group, hashes),
     }
 }
 
@@ -540,6 +590,59 @@ pub fn write_removed(out: &mut Vec<u8>, event_id: u64, hashes: &[BlockHash], tie
     if tier != Tier::Device {
         let _ = write_str(out, "tier");
         let _ = write_str(out, tier.as_str());
+    }
+}
+
+fn write_hashes(out: &mut Vec<u8>, hashes: &[BlockHash]) {
+    let _ = rmp::encode::write_array_len(out, hashes.len() as u32);
+    for h in hashes {
+        let _ = rmp::encode::write_uint(out, h.0);
+    }
+}
+
+/// Writes a `stored` event of a hybrid model's other group: `group`, `kind` (and
+/// `window_blocks`), `block_hashes`.
+pub fn write_group_stored(out: &mut Vec<u8>, event_id: u64, group: u8, kind: GroupKind, hashes: &[BlockHash]) {
+    use rmp::encode::{write_map_len, write_str, write_uint};
+    write_event_head(out, event_id);
+    let _ = write_map_len(out, 1);
+    let _ = write_str(out, "stored");
+    let window = match kind {
+        GroupKind::Window { blocks } => Some(blocks),
+        _ => None,
+    };
+    let _ = write_map_len(out, if window.is_some() { 4 } else { 3 });
+    let _ = write_str(out, "group");
+    let _ = write_uint(out, u64::from(group));
+    let _ = write_str(out, "kind");
+    let _ = write_str(out, kind_name(kind));
+    if let Some(blocks) = window {
+        let _ = write_str(out, "window_blocks");
+        let _ = write_uint(out, u64::from(blocks));
+    }
+    let _ = write_str(out, "block_hashes");
+    write_hashes(out, hashes);
+}
+
+/// Writes a `removed` event of a hybrid model's other group.
+pub fn write_group_removed(out: &mut Vec<u8>, event_id: u64, group: u8, hashes: &[BlockHash]) {
+    use rmp::encode::{write_map_len, write_str, write_uint};
+    write_event_head(out, event_id);
+    let _ = write_map_len(out, 1);
+    let _ = write_str(out, "removed");
+    let _ = write_map_len(out, 2);
+    let _ = write_str(out, "group");
+    let _ = write_uint(out, u64::from(group));
+    let _ = write_str(out, "block_hashes");
+    write_hashes(out, hashes);
+}
+
+/// A group kind's protocol name.
+pub fn kind_name(kind: GroupKind) -> &'static str {
+    match kind {
+        GroupKind::Full => "full",
+        GroupKind::Window { .. } => "window",
+        GroupKind::State => "state",
     }
 }
 
@@ -1004,6 +1107,52 @@ mod tests {
     }
 
     #[test]
+    fn group_events_name_their_group_and_kind() {
+        let ev = KvEvent {
+            event_id: 3,
+            data: Event::GroupStored { group: 2, kind: GroupKind::Window { blocks: 8 }, hashes: vec![BlockHash(5)] },
+        };
+        let v = event_value(&ev);
+        let body = field(field(v.as_map().unwrap(), "data").unwrap().as_map().unwrap(), "stored").unwrap().as_map().unwrap();
+        assert_eq!(field(body, "group").unwrap().as_u64(), Some(2));
+        assert_eq!(field(body, "kind").unwrap().as_str(), Some("window"));
+        assert_eq!(field(body, "window_blocks").unwrap().as_u64(), Some(8));
+        // Group 0 is the primary group: a plain stored or removed event.
+        let group_event = |body: Vec<(&str, Value)>, kind: &str| {
+            let body = Value::Map(body.into_iter().map(|(k, v)| (Value::from(k), v)).collect());
+            let data = Value::Map(vec![(Value::from(kind), body)]);
+            decode_event(&enc(Value::Map(vec![(Value::from("event_id"), Value::from(1)), (Value::from("data"), data)])))
+                .map(|e| e.data)
+        };
+        let hashes = || Value::Array(vec![Value::from(9)]);
+        assert_eq!(group_event(vec![("group", Value::from(0)), ("block_hashes", hashes())], "removed"), Ok(Event::removed(&[9])));
+        assert_eq!(
+            group_event(vec![("group", Value::from(63)), ("block_hashes", hashes())], "removed"),
+            Ok(Event::GroupRemoved { group: 63, hashes: vec![BlockHash(9)] })
+        );
+        for bad in [
+            vec![("group", Value::from(64)), ("kind", Value::from("full")), ("block_hashes", hashes())],
+            vec![("group", Value::from(1)), ("kind", Value::from("chunked")), ("block_hashes", hashes())],
+            vec![("group", Value::from(1)), ("kind", Value::from("window")), ("block_hashes", hashes())],
+            vec![
+                ("group", Value::from(1)),
+                ("kind", Value::from("window")),
+                ("window_blocks", Value::from(0)),
+                ("block_hashes", hashes()),
+            ],
+            vec![
+                ("group", Value::from(1)),
+                ("kind", Value::from("state")),
+                ("tier", Value::from("host")),
+                ("block_hashes", hashes()),
+            ],
+            vec![("group", Value::from(-1)), ("kind", Value::from("state")), ("block_hashes", hashes())],
+        ] {
+            assert_eq!(group_event(bad.clone(), "stored"), Err(DecodeError::BadGroup), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn a_bad_event_does_not_drop_its_siblings() {
         let good = event_value(&stored(4, Some(9), &[(1, 2)]));
         let v = Value::Map(vec![
@@ -1180,9 +1329,14 @@ mod tests {
             flip in proptest::prelude::any::<(usize, u8)>(),
             noise in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
         ) {
-            let events = ids.iter().enumerate().map(|(i, &(b, t))| Ok(match i % 3 {
+            let events = ids.iter().enumerate().map(|(i, &(b, t))| Ok(match i % 5 {
                 0 => stored(i as u64, (i > 0).then_some(b ^ 1), &[(b, t), (t, b)]),
                 1 => KvEvent { event_id: i as u64, data: Event::removed(&[b]) },
+                2 => {
+                    let kind = [GroupKind::Full, GroupKind::State, GroupKind::Window { blocks: (t % 300) as u32 + 1 }][i % 3];
+                    KvEvent { event_id: i as u64, data: Event::GroupStored { group: (b % 63) as u8 + 1, kind, hashes: vec![BlockHash(t)] } }
+                }
+                3 => KvEvent { event_id: i as u64, data: Event::GroupRemoved { group: (t % 63) as u8 + 1, hashes: vec![BlockHash(b)] } },
                 _ => KvEvent { event_id: i as u64, data: Event::Cleared },
             })).collect();
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);

@@ -21,14 +21,18 @@
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{write_batch_header, write_cleared, write_removed, write_stored, BatchHeader, ResyncAck, ResyncRequest};
+use crate::protocol::{
+    write_batch_header, write_cleared, write_group_removed, write_group_stored, write_removed, write_stored, BatchHeader,
+    ResyncAck, ResyncRequest,
+};
 use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex_core::Tier;
+use kvindex_core::{GroupKind, Tier};
 use parking_lot::Mutex;
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -135,6 +139,9 @@ struct Block {
 struct Inner {
     /// The blocks held, per tier (device, host, disk): what a snapshot sends.
     blocks: [FxHashMap<BlockHash, Block>; 3],
+    /// A hybrid model's other groups: each group's kind and the hashes it holds (sent after
+    /// the chains in a snapshot, so the primary group's blocks place them).
+    groups: BTreeMap<u8, (GroupKind, FxHashSet<BlockHash>)>,
     next_id: u64,
     /// Encoded events of the batch being filled.
     pending: Vec<u8>,
@@ -193,6 +200,7 @@ impl Publisher {
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 blocks: Default::default(),
+                groups: BTreeMap::new(),
                 next_id: 0,
                 pending: Vec::with_capacity(max_message),
                 pending_events: 0,
@@ -255,12 +263,44 @@ impl Publisher {
         }
     }
 
-    /// The engine dropped every block, in every tier (e.g. a cache reset).
+    /// A hybrid model's other group `group` (1..=63, of `kind`) cached `hashes`: blocks the
+    /// primary group (the chains of [`Publisher::stored`]) holds under the same hashes.
+    pub fn group_stored(&self, group: u8, kind: GroupKind, hashes: &[BlockHash]) {
+        let s = &self.shared;
+        let mut inner = s.inner.lock();
+        let (k, held) = inner.groups.entry(group).or_insert_with(|| (kind, FxHashSet::default()));
+        *k = kind;
+        held.extend(hashes.iter().copied());
+        for piece in hashes.chunks(s.max_event_hashes) {
+            s.push(&mut inner, STORED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| {
+                write_group_stored(out, id, group, kind, piece)
+            });
+        }
+    }
+
+    /// A hybrid model's other group `group` evicted `hashes`.
+    pub fn group_removed(&self, group: u8, hashes: &[BlockHash]) {
+        let s = &self.shared;
+        let mut inner = s.inner.lock();
+        if let Some((_, held)) = inner.groups.get_mut(&group) {
+            for h in hashes {
+                held.remove(h);
+            }
+        }
+        for piece in hashes.chunks(s.max_event_hashes) {
+            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_group_removed(out, id, group, piece));
+        }
+    }
+
+    /// The engine dropped every block, in every tier and group (e.g. a cache reset).
     pub fn cleared(&self) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
         for tier in inner.blocks.iter_mut() {
             tier.clear();
+        }
+        for (_, held) in inner.groups.values_mut() {
+            held.clear();
         }
         s.push(&mut inner, REMOVED_OVERHEAD, write_cleared);
     }
@@ -459,11 +499,40 @@ impl Shared {
             held += inner.blocks[tier as usize].len();
             sent += self.snapshot_tier(inner, tier);
         }
+        self.snapshot_groups(inner);
         self.send_pending(inner, true, true);
         let orphans = (held - sent) as u64;
         self.counters.orphans_skipped.fetch_add(orphans, Ordering::Relaxed);
         self.counters.snapshots.fetch_add(1, Ordering::Relaxed);
         sent
+    }
+
+    /// The other groups' blocks into the snapshot, after the chains that place them.
+    fn snapshot_groups(&self, inner: &mut Inner) {
+        let groups = std::mem::take(&mut inner.groups);
+        let mut piece: Vec<BlockHash> = Vec::new();
+        for (&group, (kind, held)) in &groups {
+            let mut rest: Vec<BlockHash> = held.iter().copied().collect();
+            // A group with no block still says its kind, so kvindex knows the group from now on.
+            loop {
+                let room = self.max_message.saturating_sub(inner.pending.len() + HEADER_BYTES + STORED_OVERHEAD) / HASH_BYTES;
+                if room == 0 {
+                    self.send_pending(inner, true, false);
+                    continue;
+                }
+                let n = room.min(rest.len());
+                piece.clear();
+                piece.extend(rest.drain(..n));
+                let id = inner.next_id;
+                inner.next_id += 1;
+                write_group_stored(&mut inner.pending, id, group, *kind, &piece);
+                inner.pending_events += 1;
+                if rest.is_empty() {
+                    break;
+                }
+            }
+        }
+        inner.groups = groups;
     }
 
     /// One tier's chains into the snapshot, parents before children; the blocks sent.

@@ -1,6 +1,7 @@
 //! The one domain event type: what a worker's KV cache did. The wire decoder, the replay
 //! stream and the benchmarks each convert into it at their edge; the index applies it.
 
+use crate::groups::GroupKind;
 use crate::hash::{BlockHash, StoredBlock};
 use crate::index::{ApplyOutcome, KvIndex};
 
@@ -59,8 +60,26 @@ pub enum Event {
         /// The tier they were dropped from; another tier's copy stays.
         tier: Tier,
     },
-    /// Every block of the worker is gone.
+    /// Every block of the worker is gone, in every tier and group.
     Cleared,
+    /// GPU blocks of one of a hybrid model's other groups (sliding-window or state layers
+    /// beside the primary full-attention group), by engine hash: each is placed where the
+    /// worker's primary group holds the same hash (see [`crate::groups`]).
+    GroupStored {
+        /// The group, 1..=[`crate::groups::MAX_GROUP`] (0 is the primary group).
+        group: u8,
+        /// What the group needs of a prefix.
+        kind: GroupKind,
+        /// Engine hashes of the blocks.
+        hashes: Vec<BlockHash>,
+    },
+    /// GPU blocks dropped from one of a hybrid model's other groups.
+    GroupRemoved {
+        /// The group, 1..=[`crate::groups::MAX_GROUP`].
+        group: u8,
+        /// Engine hashes of the dropped blocks.
+        hashes: Vec<BlockHash>,
+    },
 }
 
 impl Event {
@@ -82,19 +101,24 @@ impl Event {
     pub fn blocks(&self) -> usize {
         match self {
             Event::Stored { blocks, .. } => blocks.len(),
-            Event::Removed { hashes, .. } => hashes.len(),
+            Event::Removed { hashes, .. } | Event::GroupStored { hashes, .. } | Event::GroupRemoved { hashes, .. } => {
+                hashes.len()
+            }
             Event::Cleared => 0,
         }
     }
 
     /// Applies this event to `index` through the worker's writer. The index holds the device
-    /// tier: events of other tiers change nothing here ([`crate::tiers::OtherTiers`] keeps them).
+    /// tier's primary group: events of other tiers ([`crate::tiers::OtherTiers`]) and groups
+    /// ([`crate::groups::Groups`]) change nothing here.
     pub fn apply_to<I: KvIndex>(&self, index: &I, w: &mut I::Writer) -> ApplyOutcome {
         match self {
             Event::Stored { parent, blocks, tier: Tier::Device } => index.store(w, *parent, blocks),
             Event::Removed { hashes, tier: Tier::Device } => index.remove(w, hashes),
             Event::Cleared => index.clear(w),
-            Event::Stored { .. } | Event::Removed { .. } => ApplyOutcome::default(),
+            Event::Stored { .. } | Event::Removed { .. } | Event::GroupStored { .. } | Event::GroupRemoved { .. } => {
+                ApplyOutcome::default()
+            }
         }
     }
 }

@@ -15,6 +15,8 @@
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`announced`]: placements a router announces, per worker, under an LRU bound and a TTL
 //!   (predictions beside the held blocks, and approximate mode for engines without events).
+//! - [`groups`]: hybrid models' other KV-cache groups (sliding-window, state layers) beside
+//!   the primary one, and the rule for how deep all groups can serve a prefix.
 //! - [`tiers`]: host and disk tiers, each with an index of its own beside the device index.
 //! - [`index`]: the [`KvIndex`] trait and its backends: [`RunIndex`] (the default),
 //!   [`PositionalIndex`] and the [`ReferenceIndex`] model the tests compare both against.
@@ -51,6 +53,7 @@
 
 pub mod announced;
 pub mod event;
+pub mod groups;
 pub mod hash;
 pub mod index;
 pub mod seeded;
@@ -58,6 +61,7 @@ pub mod tiers;
 pub mod workers;
 
 pub use event::{Event, Tier};
+pub use groups::{GroupKind, Groups};
 pub use hash::{local_hashes, BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 pub use index::positional::{PositionalConfig, PositionalIndex};
 pub use index::reference::ReferenceIndex;

@@ -76,7 +76,7 @@ impl<I: KvIndex> OtherTiers<I> {
     pub fn apply(&self, worker: WorkerId, ws: &mut TierWriters<I::Writer>, ev: &Event) -> ApplyOutcome {
         let tier = match ev {
             Event::Stored { tier, .. } | Event::Removed { tier, .. } => *tier,
-            Event::Cleared => return ApplyOutcome::default(),
+            Event::Cleared | Event::GroupStored { .. } | Event::GroupRemoved { .. } => return ApplyOutcome::default(),
         };
         let (Some(index), Some(slot)) = (self.get(tier), ws.slot(tier)) else { return ApplyOutcome::default() };
         let w = match slot {
@@ -89,7 +89,7 @@ impl<I: KvIndex> OtherTiers<I> {
         match ev {
             Event::Stored { parent, blocks, .. } => index.store(w, *parent, blocks),
             Event::Removed { hashes, .. } => index.remove(w, hashes),
-            Event::Cleared => ApplyOutcome::default(),
+            Event::Cleared | Event::GroupStored { .. } | Event::GroupRemoved { .. } => ApplyOutcome::default(),
         }
     }
 

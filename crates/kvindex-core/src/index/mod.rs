@@ -41,6 +41,10 @@ pub struct ApplyOutcome {
     /// Host or disk blocks whose parent the worker does not hold in that tier: not placed
     /// there, and no sign that the worker's device state is off (see [`crate::tiers`]).
     pub tier_unplaceable: u64,
+    /// Blocks of a hybrid model's other groups not placed (their hash is not held in the
+    /// worker's primary group) or removed without being held: the worker's depth can only
+    /// come out shallower for them, so they never make it stale (see [`crate::groups`]).
+    pub group_missed: u64,
 }
 
 impl ApplyOutcome {
@@ -55,6 +59,7 @@ impl ApplyOutcome {
         self.too_deep += other.too_deep;
         self.refused += other.refused;
         self.tier_unplaceable += other.tier_unplaceable;
+        self.group_missed += other.group_missed;
     }
 }
 

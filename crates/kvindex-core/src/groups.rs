@@ -1,0 +1,436 @@
+//! Hybrid models: KV-cache groups beside the primary one. A model with sliding-window or
+//! state-space (Mamba) layers keeps one group of blocks per layer kind, each cached and
+//! evicted on its own; a prefix is reusable only as deep as every group can serve it.
+//!
+//! The primary group (group 0, full attention) lives in the main index as always. Each other
+//! group's blocks are named by engine hash and placed where the worker's primary group holds
+//! (or held) the same hash: engines hash a block alike in every group. They are kept as
+//! single-block placements keyed by (group, prefix hash) in an index of their own, so a
+//! lookup can ask "does worker W hold position i in group g" for the positions it needs.
+//!
+//! A worker's depth is the largest `e` no deeper than its primary-group depth that every
+//! other group accepts as its kind requires (vLLM's `find_longest_cache_hit` per kind, and
+//! its coordinator's fixed point, with equal block sizes):
+//!
+//! - full attention: blocks `[0, e)` all held;
+//! - sliding window needing `k` blocks: blocks `[max(0, e - k), e)` all held;
+//! - state (Mamba): `e = 0`, or block `e - 1` held.
+
+use crate::event::{Event, Tier};
+use crate::hash::{BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
+use crate::index::{ApplyOutcome, KvIndex, MatchOptions, WorkerMatch};
+use crate::seeded::SeededMap;
+use parking_lot::RwLock;
+use serde::{Deserialize, Serialize};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// The highest group number: a worker's groups fit one 64-bit mask, bit 0 the primary.
+pub const MAX_GROUP: u8 = 63;
+
+/// Most blocks a hybrid worker's engine-hash map keeps (all groups together); past it, new
+/// blocks are not placed in the other groups (counted as missed), so the worker's depth can
+/// only come out shallower than the engine's, never deeper.
+pub const MAX_GROUPED_BLOCKS: usize = 1 << 22;
+
+/// What a group's blocks must cover for a prefix to be reusable.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum GroupKind {
+    /// Full attention: every block of the prefix.
+    Full,
+    /// Sliding-window attention: the last `blocks` blocks before the cut (vLLM:
+    /// `max(1, ceil((window - 1) / block_size))`), or all of a shorter prefix.
+    Window {
+        /// Blocks the window needs, at least 1.
+        blocks: u32,
+    },
+    /// A state-space layer: the state cached at the cut (the prefix's last block).
+    State,
+}
+
+impl GroupKind {
+    /// The blocks a sliding window of `window` tokens needs over blocks of `block_size`.
+    pub fn window(window: u32, block_size: u32) -> GroupKind {
+        let blocks = window.saturating_sub(1).div_ceil(block_size.max(1)).max(1);
+        GroupKind::Window { blocks }
+    }
+
+    /// Whether a prefix of `e` blocks is reusable in a group of this kind holding `held`.
+    pub fn accepts(self, e: usize, held: &mut impl FnMut(usize) -> bool) -> bool {
+        match self {
+            GroupKind::Full => (0..e).all(held),
+            GroupKind::Window { blocks } => (e.saturating_sub(blocks as usize)..e).all(held),
+            GroupKind::State => e == 0 || held(e - 1),
+        }
+    }
+
+    /// The largest `e' <= e` this kind accepts (what vLLM's finder of the kind returns).
+    pub fn reduce(self, e: usize, held: &mut impl FnMut(usize) -> bool) -> usize {
+        match self {
+            GroupKind::Full => (0..e).find(|&i| !held(i)).unwrap_or(e),
+            GroupKind::Window { blocks } => {
+                let need = blocks.max(1) as usize;
+                let mut run = 0;
+                for i in (0..e).rev() {
+                    if held(i) {
+                        run += 1;
+                        if run >= need {
+                            return i + need;
+                        }
+                    } else {
+                        run = 0;
+                    }
+                }
+                run
+            }
+            GroupKind::State => (0..e).rev().find(|&i| held(i)).map_or(0, |i| i + 1),
+        }
+    }
+}
+
+/// The deepest prefix, at most `limit` blocks (the primary group's depth), that every group in
+/// `kinds` accepts; `held(j, i)`: whether the group `kinds[j]` holds position `i`. Each kind's
+/// reduction returns the largest accepted length at or below its input, so repeating them
+/// until none moves stops at the largest length all accept, whatever their order.
+pub fn hybrid_depth(limit: usize, kinds: &[GroupKind], held: impl FnMut(usize, usize) -> bool) -> usize {
+    fixed_point(limit, kinds.len(), |j| kinds[j], held)
+}
+
+/// [`hybrid_depth`] over `groups` groups whose kinds `kind_of` gives.
+fn fixed_point(
+    limit: usize,
+    groups: usize,
+    kind_of: impl Fn(usize) -> GroupKind,
+    mut held: impl FnMut(usize, usize) -> bool,
+) -> usize {
+    let mut e = limit;
+    loop {
+        let before = e;
+        for j in 0..groups {
+            e = kind_of(j).reduce(e, &mut |i| held(j, i));
+        }
+        if e == before {
+            return e;
+        }
+    }
+}
+
+/// The point key of the prefix `p` at position `pos` in group `group`: the position too,
+/// since the prefix hash alone is only unique per position.
+fn point_key(p: PrefixHash, pos: u32, group: u8) -> LocalHash {
+    let mut bytes = [0u8; 13];
+    bytes[..8].copy_from_slice(&p.0.to_le_bytes());
+    bytes[8..12].copy_from_slice(&pos.to_le_bytes());
+    bytes[12] = group;
+    LocalHash(xxh3_64_with_seed(&bytes, 0x6b76_6772_6f75_7073))
+}
+
+/// The engine hash a group's block goes under in the point index, apart from the same
+/// block's other groups (one writer holds all of them).
+fn point_hash(h: BlockHash, group: u8) -> BlockHash {
+    let mut bytes = [0u8; 9];
+    bytes[..8].copy_from_slice(&h.0.to_le_bytes());
+    bytes[8] = group;
+    BlockHash(xxh3_64_with_seed(&bytes, 0x6b76_6772_6f75_7074))
+}
+
+/// A hybrid worker's non-primary groups and their kinds, by group number.
+type GroupList = Arc<[(u8, GroupKind)]>;
+
+/// The other groups of every hybrid worker, for lookups.
+pub struct Groups<I> {
+    /// (group, prefix) placements: each held block of a non-primary group as a one-block
+    /// chain keyed by [`point_key`], so a lookup probes a position with a one-block query.
+    points: I,
+    /// Each hybrid worker's non-primary groups and their kinds, by group number; written
+    /// when a worker's groups change (rarely), read by lookups that meet a hybrid worker.
+    kinds: RwLock<SeededMap<WorkerId, GroupList>>,
+    /// Workers in `kinds`: lookups skip all of this while it is 0.
+    hybrid: AtomicUsize,
+}
+
+/// A block of a hybrid worker: its place, and the groups holding it.
+#[derive(Clone, Copy, Debug)]
+struct Grouped {
+    /// Its prefix hash, from the primary group's chain.
+    prefix: PrefixHash,
+    /// Its position in that chain.
+    pos: u32,
+    /// Bit g set: group g holds it (bit 0: the primary group).
+    groups: u64,
+}
+
+/// One hybrid worker's group state, owned by its apply thread.
+pub struct GroupWriter<W> {
+    /// The worker.
+    worker: WorkerId,
+    /// Its writer in the point index, made on its first group block.
+    points: Option<W>,
+    /// Every block it holds in any group, by engine hash: where a group's block goes, and
+    /// when the last group drops it the entry goes.
+    blocks: SeededMap<BlockHash, Grouped>,
+    /// Its non-primary groups and their kinds, by group number (what `Groups::kinds` shows).
+    kinds: Vec<(u8, GroupKind)>,
+}
+
+/// A hybrid worker's group state as a snapshot keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedGroups {
+    /// Its non-primary groups and their kinds.
+    pub kinds: Vec<(u8, GroupKind)>,
+    /// Its blocks: engine hash, prefix hash, position, group mask.
+    pub blocks: Vec<(u64, u64, u32, u64)>,
+}
+
+impl<I: KvIndex> Groups<I> {
+    /// No hybrid worker yet; `points` holds the groups' placements.
+    pub fn new(points: I) -> Self {
+        Groups { points, kinds: RwLock::new(SeededMap::default()), hybrid: AtomicUsize::new(0) }
+    }
+
+    /// A writer for `worker`, which has just shown groups.
+    pub fn writer(&self, worker: WorkerId) -> GroupWriter<I::Writer> {
+        GroupWriter { worker, points: None, blocks: SeededMap::default(), kinds: Vec::new() }
+    }
+
+    /// Whether any worker has groups (lookups need [`Groups::limit`] only then).
+    pub fn any(&self) -> bool {
+        self.hybrid.load(Ordering::Acquire) > 0
+    }
+
+    fn publish_kinds(&self, w: &GroupWriter<I::Writer>) {
+        let mut kinds = self.kinds.write();
+        let had = kinds.insert(w.worker, w.kinds.clone().into()).is_some();
+        if !had {
+            self.hybrid.fetch_add(1, Ordering::AcqRel);
+        }
+    }
+
+    /// Applies one event of a hybrid worker: the primary group's device chains and removals
+    /// are recorded (the main index applies them), the other groups' blocks are placed, a
+    /// `cleared` drops every group. Other tiers' events are not the groups' business.
+    pub fn apply(&self, w: &mut GroupWriter<I::Writer>, ev: &Event) -> ApplyOutcome {
+        match ev {
+            Event::Stored { parent, blocks, tier: Tier::Device } => {
+                self.primary_stored(w, *parent, blocks);
+                ApplyOutcome::default()
+            }
+            Event::Removed { hashes, tier: Tier::Device } => {
+                self.primary_removed(w, hashes);
+                ApplyOutcome::default()
+            }
+            Event::Cleared => self.clear(w),
+            Event::GroupStored { group, kind, hashes } => self.store(w, *group, *kind, hashes),
+            Event::GroupRemoved { group, hashes } => self.remove(w, *group, hashes),
+            Event::Stored { .. } | Event::Removed { .. } => ApplyOutcome::default(),
+        }
+    }
+
+    /// Records the primary group's chain `blocks` under `parent`, so that the other groups'
+    /// blocks of the same hashes find their place. A chain under a parent of unknown place is
+    /// not recorded (its blocks will be missed in the other groups).
+    pub fn primary_stored(&self, w: &mut GroupWriter<I::Writer>, parent: Option<BlockHash>, blocks: &[StoredBlock]) {
+        let (mut prev, mut pos) = match parent {
+            None => (None, 0),
+            Some(p) => match w.blocks.get(&p) {
+                Some(g) => (Some(g.prefix), g.pos.saturating_add(1)),
+                None => return,
+            },
+        };
+        for b in blocks {
+            let prefix = PrefixHash::child_of(prev, b.tokens_hash);
+            prev = Some(prefix);
+            let full = w.blocks.len() >= MAX_GROUPED_BLOCKS;
+            match w.blocks.get_mut(&b.block_hash) {
+                Some(g) => {
+                    (g.prefix, g.pos) = (prefix, pos);
+                    g.groups |= 1;
+                }
+                None if !full => {
+                    w.blocks.insert(b.block_hash, Grouped { prefix, pos, groups: 1 });
+                }
+                None => {}
+            }
+            pos = pos.saturating_add(1);
+        }
+    }
+
+    /// The primary group dropped `hashes`.
+    pub fn primary_removed(&self, w: &mut GroupWriter<I::Writer>, hashes: &[BlockHash]) {
+        for h in hashes {
+            if let Some(g) = w.blocks.get_mut(h) {
+                g.groups &= !1;
+                if g.groups == 0 {
+                    w.blocks.remove(h);
+                }
+            }
+        }
+    }
+
+    /// Group `group` (1..=[`MAX_GROUP`], of `kind`) holds `hashes`. A hash the worker's
+    /// primary group never placed is missed: its place is unknown.
+    pub fn store(&self, w: &mut GroupWriter<I::Writer>, group: u8, kind: GroupKind, hashes: &[BlockHash]) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        if group == 0 || group > MAX_GROUP {
+            out.group_missed += hashes.len() as u64;
+            return out;
+        }
+        match w.kinds.iter_mut().find(|(g, _)| *g == group) {
+            Some((_, k)) if *k == kind => {}
+            Some((_, k)) => {
+                *k = kind;
+                self.publish_kinds(w);
+            }
+            None => {
+                w.kinds.push((group, kind));
+                w.kinds.sort_unstable_by_key(|(g, _)| *g);
+                self.publish_kinds(w);
+            }
+        }
+        let pw = match w.points.as_mut() {
+            Some(pw) => pw,
+            None => match self.points.writer(w.worker) {
+                Ok(pw) => w.points.insert(pw),
+                Err(_) => {
+                    out.refused += 1;
+                    return out;
+                }
+            },
+        };
+        let bit = 1u64 << group;
+        for &h in hashes {
+            let Some(g) = w.blocks.get_mut(&h) else {
+                out.group_missed += 1;
+                continue;
+            };
+            if g.groups & bit != 0 {
+                out.duplicates += 1;
+                continue;
+            }
+            g.groups |= bit;
+            let block = StoredBlock { block_hash: point_hash(h, group), tokens_hash: point_key(g.prefix, g.pos, group) };
+            out.stored += self.points.store(pw, None, &[block]).stored;
+        }
+        out
+    }
+
+    /// Group `group` dropped `hashes`; one it does not hold is missed.
+    pub fn remove(&self, w: &mut GroupWriter<I::Writer>, group: u8, hashes: &[BlockHash]) -> ApplyOutcome {
+        let mut out = ApplyOutcome::default();
+        let bit = if (1..=MAX_GROUP).contains(&group) { 1u64 << group } else { 0 };
+        for h in hashes {
+            let held = w.blocks.get_mut(h).filter(|g| g.groups & bit != 0);
+            let (Some(g), Some(pw)) = (held, w.points.as_mut()) else {
+                out.group_missed += 1;
+                continue;
+            };
+            g.groups &= !bit;
+            if g.groups == 0 {
+                w.blocks.remove(h);
+            }
+            out.removed += self.points.remove(pw, &[point_hash(*h, group)]).removed;
+        }
+        out
+    }
+
+    /// Every group of the worker lost every block (it keeps its groups' kinds).
+    pub fn clear(&self, w: &mut GroupWriter<I::Writer>) -> ApplyOutcome {
+        w.blocks.clear();
+        match w.points.as_mut() {
+            Some(pw) => self.points.clear(pw),
+            None => ApplyOutcome::default(),
+        }
+    }
+
+    /// Forgets the worker entirely, freeing its slot in the point index.
+    pub fn remove_worker(&self, w: GroupWriter<I::Writer>) -> ApplyOutcome {
+        if self.kinds.write().remove(&w.worker).is_some() {
+            self.hybrid.fetch_sub(1, Ordering::AcqRel);
+        }
+        match w.points {
+            Some(pw) => self.points.remove_worker(pw),
+            None => ApplyOutcome::default(),
+        }
+    }
+
+    /// Blocks the worker holds in its non-primary groups (one per group holding it).
+    pub fn held(&self, w: &GroupWriter<I::Writer>) -> u64 {
+        w.blocks.values().map(|g| u64::from((g.groups & !1).count_ones())).sum()
+    }
+
+    /// The worker's group state, for a snapshot.
+    pub fn save(&self, w: &GroupWriter<I::Writer>) -> SavedGroups {
+        let mut blocks: Vec<(u64, u64, u32, u64)> = w.blocks.iter().map(|(h, g)| (h.0, g.prefix.0, g.pos, g.groups)).collect();
+        blocks.sort_unstable();
+        SavedGroups { kinds: w.kinds.clone(), blocks }
+    }
+
+    /// Rebuilds the worker's group state from [`Groups::save`] (after a clear).
+    pub fn restore(&self, w: &mut GroupWriter<I::Writer>, saved: &SavedGroups) -> ApplyOutcome {
+        let mut out = self.clear(w);
+        for &(h, prefix, pos, groups) in saved.blocks.iter().take(MAX_GROUPED_BLOCKS) {
+            w.blocks.insert(BlockHash(h), Grouped { prefix: PrefixHash(prefix), pos, groups: groups & 1 });
+        }
+        for &(group, kind) in &saved.kinds {
+            let hashes: Vec<BlockHash> =
+                saved.blocks.iter().filter(|b| group >= 1 && (b.3 >> group) & 1 == 1).map(|b| BlockHash(b.0)).collect();
+            out.add(&self.store(w, group, kind, &hashes));
+        }
+        out
+    }
+
+    /// Lowers each hybrid worker's depth in `matches` (its primary-group depth for `query`) to
+    /// what all its groups can serve, drops those left at 0, and sorts deepest first (ties by
+    /// worker). Workers without groups keep their depth.
+    pub fn limit(&self, query: &[LocalHash], matches: &mut Vec<WorkerMatch>) {
+        if !self.any() {
+            return;
+        }
+        let kinds = self.kinds.read();
+        let mut chain: Vec<PrefixHash> = Vec::new();
+        // Who holds each probed (group, position), sorted; probed once per lookup.
+        let mut probes: Vec<(u8, Vec<Option<Vec<WorkerId>>>)> = Vec::new();
+        let mut changed = false;
+        for m in matches.iter_mut() {
+            let Some(groups) = kinds.get(&m.worker) else { continue };
+            let limit = (m.blocks as usize).min(query.len());
+            crate::hash::extend_chain(query, &mut chain, limit.saturating_sub(1));
+            let depth = fixed_point(
+                limit,
+                groups.len(),
+                |j| groups[j].1,
+                |j, i| {
+                    let group = groups[j].0;
+                    let at = match probes.iter().position(|(g, _)| *g == group) {
+                        Some(at) => at,
+                        None => {
+                            probes.push((group, Vec::new()));
+                            probes.len() - 1
+                        }
+                    };
+                    let by_pos = &mut probes[at].1;
+                    if by_pos.len() <= i {
+                        by_pos.resize(i + 1, None);
+                    }
+                    let holders = by_pos[i].get_or_insert_with(|| {
+                        let key = point_key(chain[i], i as u32, group);
+                        let mut h: Vec<WorkerId> =
+                            self.points.find_matches(&[key], &MatchOptions::default()).into_iter().map(|h| h.worker).collect();
+                        h.sort_unstable();
+                        h
+                    });
+                    holders.binary_search(&m.worker).is_ok()
+                },
+            );
+            if depth as u32 != m.blocks {
+                m.blocks = depth as u32;
+                changed = true;
+            }
+        }
+        if changed {
+            matches.retain(|m| m.blocks > 0);
+            matches.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+        }
+    }
+}
