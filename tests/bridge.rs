@@ -190,7 +190,8 @@ async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     rank1.batch(enc(&arr(vec![Value::from(1.0), arr(vec![ev])])), false).await;
     wait_depth(&router, || by_tokens(8), 1, 1).await;
 
-    // A sliding-window group's blocks and a remote block are skipped, their batch kept.
+    // A sliding-window group that does not say its window (a kind kvindex cannot follow) is
+    // skipped, its batch kept.
     let window = map(vec![
         ("type", s("BlockStored")),
         ("block_hashes", ints([5])),
@@ -203,7 +204,7 @@ async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     let next = stored_array(ints([5]), Value::from(4), tokens(4, 5));
     rank0.batch(enc(&arr(vec![Value::from(1.0), arr(vec![window, next])])), false).await;
     wait_depth(&router, || by_tokens(8), 0, 5).await;
-    assert_eq!(metric("kvindex_bridge_skipped_events_total{reason=\"other_group\"}").await, 1.0);
+    assert_eq!(metric("kvindex_bridge_skipped_events_total{reason=\"unsupported_group\"}").await, 1.0);
 
     // A batch lost on the way (seq 3), then seq 4: the bridge replays 3 from the ROUTER.
     rank0.batch(enc(&arr(vec![Value::from(1.0), arr(vec![stored_array(ints([6]), Value::from(5), tokens(5, 6))])])), true).await;

@@ -70,8 +70,8 @@ pub fn engine_kind(kind: Option<&str>, window: Option<u64>, block_size: Option<u
 pub enum Skip {
     /// Not what the engines send; counted as a decode failure.
     Bad(&'static str),
-    /// Valid, but not for the index: another attention group, a sliding-window or mamba
-    /// layer group, a remote block.
+    /// Valid, but not for the index: a KV-cache group of a kind kvindex does not model, a
+    /// remote block.
     Filtered(&'static str),
     /// A storage medium kvindex has no tier for, named so the log can say which.
     UnknownMedium(String),

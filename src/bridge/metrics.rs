@@ -82,7 +82,7 @@ impl BridgeMetrics {
             ),
             skipped: counter_vec(
                 "kvindex_bridge_skipped_events_total",
-                "Valid events not forwarded, by reason (other attention group, not full attention, remote, unknown medium).",
+                "Valid events not forwarded, by reason (unsupported_group, no_full_attention_group, too_many_groups, group_off_device, remote, unknown_medium).",
                 "reason",
             ),
             seq_gaps: counter("kvindex_bridge_seq_gaps_total", "Jumps in an engine's sequence numbers (batches lost on ZMQ)."),

@@ -56,13 +56,16 @@ impl Page {
     }
 }
 
-/// A worker's blocks per tier, and those routers announced for it that its events have not
-/// shown yet.
+/// A worker's blocks per tier, in a hybrid model's other groups, and those routers announced
+/// for it that its events have not shown yet.
 #[derive(Serialize)]
 struct Blocks {
     device: u64,
     host: u64,
     disk: u64,
+    /// Blocks held in a hybrid model's KV-cache groups other than the primary one (one per
+    /// group holding it); 0 for other models.
+    groups: u64,
     predicted: u64,
 }
 
@@ -139,6 +142,7 @@ async fn workers<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(page): Query<P
                     device: h.map_or(0, |h| h.device),
                     host: h.map_or(0, |h| h.host),
                     disk: h.map_or(0, |h| h.disk),
+                    groups: h.map_or(0, |h| h.grouped),
                     predicted: h.map_or(0, |h| h.predicted),
                 },
                 epoch,
