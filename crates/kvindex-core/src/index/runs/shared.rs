@@ -75,14 +75,16 @@ impl Hashes {
     }
 }
 
-/// The sentinel of a child slot whose child died: probes go past it; only a rebuild reuses it.
+/// The sentinel of a child slot whose child died: probes go past it; the next child linked on
+/// a probe path through it takes it.
 fn tomb() -> *mut Run {
     NonNull::<Run>::dangling().as_ptr()
 }
 
 /// One child of a run: the hash of its first block and the child.
 struct ChildSlot {
-    /// The child's first local hash, stored before `run` is released.
+    /// The child's first local hash, stored before `run` is released: a filter only, since a
+    /// reader may pair it with the slot's previous child (the child's own `head` decides).
     head: AtomicU64,
     /// Null (never used), the tomb sentinel, or the child.
     run: AtomicPtr<Run>,
@@ -90,7 +92,9 @@ struct ChildSlot {
 
 /// A run's children, keyed by (the offset they diverge at, their first local hash): open
 /// addressing, linear probing, a power-of-two number of slots. A slot goes from empty to a
-/// child to a tomb, never back, so a reader that meets a child reads the head stored with it.
+/// child, then between tomb and child, never back to empty: a probe that meets an empty slot
+/// has seen every key of its path. A dead child's tomb is reused, so a child unlinked and
+/// linked again lands where it was instead of growing its cluster.
 pub(crate) struct Children {
     /// A power of two many.
     slots: Box<[ChildSlot]>,
@@ -132,7 +136,7 @@ impl Children {
                 // SAFETY: a child linked here is retired only after it is tombed, through the
                 // epoch collector: the guard keeps it alive.
                 let child = unsafe { &*run };
-                if child.attach == attach {
+                if child.attach == attach && child.head == head {
                     return Some(child);
                 }
             }
@@ -141,15 +145,20 @@ impl Children {
         None
     }
 
-    /// Writer (parent locked, room made by the caller): links `child`.
-    pub(crate) fn insert(&self, child: &Run, head: u64, seed: u64) {
+    /// Writer (parent locked, room made by the caller, `child`'s key not linked): links
+    /// `child` in the first tomb or empty slot of its path; whether it took a tomb.
+    pub(crate) fn insert(&self, child: &Run, head: u64, seed: u64) -> bool {
         let mask = self.slots.len() - 1;
         let mut i = home(child.attach, head, seed, mask);
-        while !self.slots[i].run.load(Ordering::Relaxed).is_null() {
+        loop {
+            let run = self.slots[i].run.load(Ordering::Relaxed);
+            if run.is_null() || run == tomb() {
+                self.slots[i].head.store(head, Ordering::Relaxed);
+                self.slots[i].run.store(child as *const Run as *mut Run, Ordering::Release);
+                return run == tomb();
+            }
             i = (i + 1) & mask;
         }
-        self.slots[i].head.store(head, Ordering::Relaxed);
-        self.slots[i].run.store(child as *const Run as *mut Run, Ordering::Release);
     }
 
     /// Writer (parent locked): unlinks `child`; whether it was linked.
@@ -204,6 +213,9 @@ pub(crate) struct Run {
     pub(crate) parent: RunId,
     /// Position of its first block in the sequence.
     pub(crate) start: u32,
+    /// Its first local hash (0 for the root), never changed: with `attach`, its key in the
+    /// parent, read by lookups that find it in a child slot.
+    pub(crate) head: u64,
     /// How many of the parent's blocks it follows: its first block's parent is the parent's
     /// block `attach - 1` (0 under the root). With the first hash, its key in the parent.
     pub(crate) attach: u32,
@@ -239,10 +251,12 @@ impl Run {
     /// A run of `locals` at `start`, continuing `parent` after `attach` of its blocks, with
     /// room for `cap` hashes.
     pub(crate) fn new(id: RunId, parent: RunId, start: u32, attach: u32, hashes: Option<Hashes>) -> Run {
+        let head = hashes.as_ref().and_then(|h| h.published().first().copied()).unwrap_or(0);
         Run {
             id,
             parent,
             start,
+            head,
             attach,
             hashes: hashes.map_or_else(Atomic::null, Atomic::new),
             cover: Atomic::new(Cover::List(List::new(2))),
@@ -301,5 +315,44 @@ impl Drop for Run {
                 drop(k.into_owned());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(id: RunId, head: u64) -> Run {
+        Run::new(id, ROOT, 0, 0, Some(Hashes::new([head].into_iter(), 1)))
+    }
+
+    #[test]
+    fn a_child_linked_again_takes_its_tomb() {
+        let guard = epoch::pin();
+        let t = Children::new(64);
+        let (a, b) = (run(1, 11), run(2, 22));
+        assert!(!t.insert(&a, 11, 7));
+        assert!(!t.insert(&b, 22, 7));
+        for _ in 0..1000 {
+            assert!(t.remove(&a, 11, 7));
+            assert!(t.find(0, 11, 7, &guard).is_none());
+            assert!(t.insert(&a, 11, 7), "the tomb on its path is reused");
+            assert!(std::ptr::eq(t.find(0, 11, 7, &guard).unwrap(), &a));
+        }
+        assert_eq!(t.each().count(), 2);
+        assert!(std::ptr::eq(t.find(0, 22, 7, &guard).unwrap(), &b));
+    }
+
+    #[test]
+    fn a_slot_paired_with_another_head_is_not_its_child() {
+        let guard = epoch::pin();
+        let t = Children::new(2);
+        let a = run(1, 11);
+        t.insert(&a, 11, 7);
+        // What a reader sees when it loads a slot's child before a writer reuses the slot and
+        // its head after: the child's own head decides.
+        let slot = t.slots.iter().find(|s| !s.run.load(Ordering::Relaxed).is_null()).unwrap();
+        slot.head.store(33, Ordering::Relaxed);
+        assert!(t.find(0, 33, 7, &guard).is_none());
     }
 }

@@ -318,7 +318,9 @@ impl RunIndex {
             }
         }
         // SAFETY: the run is locked and its table was just made non-null.
-        unsafe { run.children.load(Ordering::Relaxed, guard).deref() }.insert(child, head, self.seed);
+        if unsafe { run.children.load(Ordering::Relaxed, guard).deref() }.insert(child, head, self.seed) {
+            meta.tombs -= 1;
+        }
         meta.kids += 1;
     }
 
