@@ -89,26 +89,65 @@ impl GroupKind {
     }
 }
 
+/// What a reduction asks of one worker's group: whether it holds a position, and the last
+/// position it holds below a length (which lets a walk skip what the group does not hold).
+trait Held {
+    /// The group holds position `i`.
+    fn held(&mut self, i: usize) -> bool;
+    /// The highest position below `x` the group holds.
+    fn below(&mut self, x: usize) -> Option<usize>;
+}
+
+impl GroupKind {
+    /// [`GroupKind::reduce`], stepping from held position to held position.
+    fn reduce_held(self, e: usize, h: &mut impl Held) -> usize {
+        match self {
+            GroupKind::Full => (0..e).find(|&i| !h.held(i)).unwrap_or(e),
+            GroupKind::Window { blocks } => {
+                let need = blocks.max(1) as usize;
+                // A run of `run` held positions whose lowest is `x`.
+                let (mut run, mut x) = (0, e);
+                if e > 0 && h.held(e - 1) {
+                    (run, x) = (1, e - 1);
+                    while run < need && x > 0 && h.held(x - 1) {
+                        (run, x) = (run + 1, x - 1);
+                    }
+                }
+                while run < need {
+                    let Some(j) = h.below(x) else { break };
+                    run = if j + 1 == x { run + 1 } else { 1 };
+                    x = j;
+                }
+                match run {
+                    _ if run >= need => x + need,
+                    _ if x == 0 => run,
+                    _ => 0,
+                }
+            }
+            GroupKind::State => match e {
+                0 => 0,
+                _ if h.held(e - 1) => e,
+                _ => h.below(e - 1).map_or(0, |i| i + 1),
+            },
+        }
+    }
+}
+
 /// The deepest prefix, at most `limit` blocks (the primary group's depth), that every group in
 /// `kinds` accepts; `held(j, i)`: whether the group `kinds[j]` holds position `i`. Each kind's
 /// reduction returns the largest accepted length at or below its input, so repeating them
 /// until none moves stops at the largest length all accept, whatever their order.
-pub fn hybrid_depth(limit: usize, kinds: &[GroupKind], held: impl FnMut(usize, usize) -> bool) -> usize {
-    fixed_point(limit, kinds.len(), |j| kinds[j], held)
+pub fn hybrid_depth(limit: usize, kinds: &[GroupKind], mut held: impl FnMut(usize, usize) -> bool) -> usize {
+    fixed_point(limit, kinds.len(), |j, e| kinds[j].reduce(e, &mut |i| held(j, i)))
 }
 
-/// [`hybrid_depth`] over `groups` groups whose kinds `kind_of` gives.
-fn fixed_point(
-    limit: usize,
-    groups: usize,
-    kind_of: impl Fn(usize) -> GroupKind,
-    mut held: impl FnMut(usize, usize) -> bool,
-) -> usize {
+/// [`hybrid_depth`] over `groups` groups, `reduce(j, e)` being group `j`'s reduction of `e`.
+fn fixed_point(limit: usize, groups: usize, mut reduce: impl FnMut(usize, usize) -> usize) -> usize {
     let mut e = limit;
     loop {
         let before = e;
         for j in 0..groups {
-            e = kind_of(j).reduce(e, &mut |i| held(j, i));
+            e = reduce(j, e);
         }
         if e == before {
             return e;
@@ -133,6 +172,114 @@ fn point_hash(h: BlockHash, group: u8) -> BlockHash {
     bytes[..8].copy_from_slice(&h.0.to_le_bytes());
     bytes[8] = group;
     BlockHash(xxh3_64_with_seed(&bytes, 0x6b76_6772_6f75_7074))
+}
+
+/// What one lookup learned of one group's positions.
+#[derive(Default)]
+struct Probed {
+    /// The group.
+    group: u8,
+    /// Position `i` was probed.
+    probed: Vec<bool>,
+    /// Holders of position `i`: bits of the lookup's hybrid workers, a row per position.
+    rows: Vec<u64>,
+    /// Every position below it was probed.
+    upto: usize,
+    /// The same bits by worker (a column of positions each), once a walk needs to skip:
+    /// empty until then.
+    cols: Vec<u64>,
+}
+
+/// One hybrid worker's group as a lookup probes it.
+struct At<'a, I> {
+    /// The groups' point index.
+    points: &'a I,
+    /// The query's prefix hashes, as far as this worker's depth.
+    chain: &'a [PrefixHash],
+    /// The lookup's hybrid workers, sorted: a holder's bit is its place here.
+    hybrid: &'a [WorkerId],
+    /// Positions a column holds (the query's length).
+    span: usize,
+    /// What is known of the group.
+    p: &'a mut Probed,
+    /// The worker's bit.
+    bit: usize,
+}
+
+impl<I: KvIndex> At<'_, I> {
+    fn words(&self) -> usize {
+        self.hybrid.len().div_ceil(64)
+    }
+
+    fn col_words(&self) -> usize {
+        self.span.div_ceil(64)
+    }
+
+    /// Learns who holds position `i`, once per lookup.
+    fn probe(&mut self, i: usize) {
+        let (words, cw) = (self.words(), self.col_words());
+        let p = &mut *self.p;
+        if p.probed.len() <= i {
+            p.probed.resize(i + 1, false);
+            p.rows.resize((i + 1) * words, 0);
+        }
+        if p.probed[i] {
+            return;
+        }
+        p.probed[i] = true;
+        let key = point_key(self.chain[i], i as u32, p.group);
+        for h in self.points.find_matches(&[key], &MatchOptions::default()) {
+            if let Ok(b) = self.hybrid.binary_search(&h.worker) {
+                p.rows[i * words + b / 64] |= 1 << (b % 64);
+                if !p.cols.is_empty() {
+                    p.cols[b * cw + i / 64] |= 1 << (i % 64);
+                }
+            }
+        }
+    }
+}
+
+impl<I: KvIndex> Held for At<'_, I> {
+    fn held(&mut self, i: usize) -> bool {
+        self.probe(i);
+        self.p.rows[i * self.words() + self.bit / 64] & (1 << (self.bit % 64)) != 0
+    }
+
+    fn below(&mut self, x: usize) -> Option<usize> {
+        let (words, cw) = (self.words(), self.col_words());
+        if self.p.cols.is_empty() {
+            // Columns from the rows probed so far; later probes fill both.
+            let p = &mut *self.p;
+            p.cols = vec![0; self.hybrid.len() * cw];
+            for i in (0..p.probed.len()).filter(|&i| p.probed[i]) {
+                for (w, &row) in p.rows[i * words..(i + 1) * words].iter().enumerate() {
+                    let mut row = row;
+                    while row != 0 {
+                        let b = w * 64 + row.trailing_zeros() as usize;
+                        row &= row - 1;
+                        p.cols[b * cw + i / 64] |= 1 << (i % 64);
+                    }
+                }
+            }
+        }
+        for i in self.p.upto..x {
+            self.probe(i);
+        }
+        self.p.upto = self.p.upto.max(x);
+        let col = &self.p.cols[self.bit * cw..(self.bit + 1) * cw];
+        let mut w = x.div_ceil(64);
+        while w > 0 {
+            w -= 1;
+            let mut bits = col[w];
+            if w == x / 64 {
+                bits &= (1u64 << (x % 64)) - 1;
+            }
+            if bits != 0 {
+                return Some(w * 64 + 63 - bits.leading_zeros() as usize);
+            }
+        }
+        None
+    }
 }
 
 /// A hybrid worker's non-primary groups and their kinds, by group number.
@@ -388,41 +535,38 @@ impl<I: KvIndex> Groups<I> {
             return;
         }
         let kinds = self.kinds.read();
+        // The hybrid workers among the matches, by worker: a holder's bit is its place here.
+        let mut hybrid: Vec<WorkerId> = matches.iter().map(|m| m.worker).filter(|w| kinds.contains_key(w)).collect();
+        if hybrid.is_empty() {
+            return;
+        }
+        hybrid.sort_unstable();
         let mut chain: Vec<PrefixHash> = Vec::new();
-        // Who holds each probed (group, position), sorted; probed once per lookup.
-        let mut probes: Vec<(u8, Vec<Option<Vec<WorkerId>>>)> = Vec::new();
+        // Per probed group: which positions were probed, and each one's holders among `hybrid`
+        // (`words` words per position); each (group, position) is probed once per lookup.
+        let mut probes: Vec<Probed> = Vec::new();
+        let mut mine: Vec<usize> = Vec::new();
         let mut changed = false;
         for m in matches.iter_mut() {
             let Some(groups) = kinds.get(&m.worker) else { continue };
+            let Ok(bit) = hybrid.binary_search(&m.worker) else { continue };
             let limit = (m.blocks as usize).min(query.len());
             crate::hash::extend_chain(query, &mut chain, limit.saturating_sub(1));
-            let depth = fixed_point(
-                limit,
-                groups.len(),
-                |j| groups[j].1,
-                |j, i| {
-                    let group = groups[j].0;
-                    let at = match probes.iter().position(|(g, _)| *g == group) {
-                        Some(at) => at,
-                        None => {
-                            probes.push((group, Vec::new()));
-                            probes.len() - 1
-                        }
-                    };
-                    let by_pos = &mut probes[at].1;
-                    if by_pos.len() <= i {
-                        by_pos.resize(i + 1, None);
+            mine.clear();
+            for &(group, _) in groups.iter() {
+                mine.push(match probes.iter().position(|p| p.group == group) {
+                    Some(at) => at,
+                    None => {
+                        probes.push(Probed { group, ..Probed::default() });
+                        probes.len() - 1
                     }
-                    let holders = by_pos[i].get_or_insert_with(|| {
-                        let key = point_key(chain[i], i as u32, group);
-                        let mut h: Vec<WorkerId> =
-                            self.points.find_matches(&[key], &MatchOptions::default()).into_iter().map(|h| h.worker).collect();
-                        h.sort_unstable();
-                        h
-                    });
-                    holders.binary_search(&m.worker).is_ok()
-                },
-            );
+                });
+            }
+            let depth = fixed_point(limit, groups.len(), |j, e| {
+                let mut at =
+                    At { points: &self.points, chain: &chain, hybrid: &hybrid, span: query.len(), p: &mut probes[mine[j]], bit };
+                groups[j].1.reduce_held(e, &mut at)
+            });
             if depth as u32 != m.blocks {
                 m.blocks = depth as u32;
                 changed = true;
