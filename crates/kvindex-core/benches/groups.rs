@@ -38,6 +38,18 @@ fn kept(chain: &[StoredBlock]) -> (Vec<BlockHash>, Vec<BlockHash>) {
     (window, state)
 }
 
+/// The time `work` takes on `state`, `iters` times, each after an untimed `undo`.
+fn undone<S, A, B>(iters: u64, state: &mut S, undo: impl Fn(&mut S) -> A, work: impl Fn(&mut S) -> B) -> Duration {
+    let mut spent = Duration::ZERO;
+    for _ in 0..iters {
+        undo(state);
+        let t = Instant::now();
+        black_box(work(state));
+        spent += t.elapsed();
+    }
+    spent
+}
+
 fn benches(c: &mut Criterion) {
     let mut g = c.benchmark_group("groups");
     for n in [16u64, 256] {
@@ -78,32 +90,23 @@ fn benches(c: &mut Criterion) {
         let mut pw = plain.writer(id).unwrap();
         g.throughput(Throughput::Elements(CHAIN as u64));
         g.bench_function(BenchmarkId::new("apply_primary", n), |b| {
-            b.iter_custom(|iters| {
-                let mut spent = Duration::ZERO;
-                for _ in 0..iters {
-                    plain.clear(&mut pw);
-                    let t = Instant::now();
-                    black_box(plain.store(&mut pw, None, fresh));
-                    spent += t.elapsed();
-                }
-                spent
-            })
+            b.iter_custom(|iters| undone(iters, &mut pw, |pw| plain.clear(pw), |pw| plain.store(pw, None, fresh)))
         });
         let (mut mw, mut gw) = (main.writer(id).unwrap(), groups.writer(id));
         main.store(&mut mw, None, fresh);
         g.throughput(Throughput::Elements((CHAIN + window.len() + state.len()) as u64));
         g.bench_function(BenchmarkId::new("apply_request", n), |b| {
             b.iter_custom(|iters| {
-                let mut spent = Duration::ZERO;
-                for _ in 0..iters {
-                    groups.clear(&mut gw);
-                    let t = Instant::now();
-                    groups.primary_stored(&mut gw, None, fresh);
-                    groups.store(&mut gw, 1, WINDOW, &window);
-                    black_box(groups.store(&mut gw, 2, GroupKind::State, &state));
-                    spent += t.elapsed();
-                }
-                spent
+                undone(
+                    iters,
+                    &mut gw,
+                    |gw| groups.clear(gw),
+                    |gw| {
+                        groups.primary_stored(gw, None, fresh);
+                        groups.store(gw, 1, WINDOW, &window);
+                        groups.store(gw, 2, GroupKind::State, &state)
+                    },
+                )
             })
         });
     }

@@ -67,25 +67,20 @@ impl GroupKind {
 
     /// The largest `e' <= e` this kind accepts (what vLLM's finder of the kind returns).
     pub fn reduce(self, e: usize, held: &mut impl FnMut(usize) -> bool) -> usize {
-        match self {
-            GroupKind::Full => (0..e).find(|&i| !held(i)).unwrap_or(e),
-            GroupKind::Window { blocks } => {
-                let need = blocks.max(1) as usize;
-                let mut run = 0;
-                for i in (0..e).rev() {
-                    if held(i) {
-                        run += 1;
-                        if run >= need {
-                            return i + need;
-                        }
-                    } else {
-                        run = 0;
-                    }
-                }
-                run
-            }
-            GroupKind::State => (0..e).rev().find(|&i| held(i)).map_or(0, |i| i + 1),
-        }
+        self.reduce_held(e, &mut Scan(held))
+    }
+}
+
+/// [`Held`] over a plain predicate: `below` tries each position down.
+struct Scan<'a, F>(&'a mut F);
+
+impl<F: FnMut(usize) -> bool> Held for Scan<'_, F> {
+    fn held(&mut self, i: usize) -> bool {
+        (self.0)(i)
+    }
+
+    fn below(&mut self, x: usize) -> Option<usize> {
+        (0..x).rev().find(|&i| (self.0)(i))
     }
 }
 
@@ -99,7 +94,8 @@ trait Held {
 }
 
 impl GroupKind {
-    /// [`GroupKind::reduce`], stepping from held position to held position.
+    /// [`GroupKind::reduce`], stepping down from the cut while the group holds each position,
+    /// then from held position to held position.
     fn reduce_held(self, e: usize, h: &mut impl Held) -> usize {
         match self {
             GroupKind::Full => (0..e).find(|&i| !h.held(i)).unwrap_or(e),

@@ -566,14 +566,12 @@ impl RunIndex {
             }
             meta.dead = true;
             drop(meta);
-            let hashes = run.hashes(guard);
-            let head = hashes.first().copied().unwrap_or(0);
-            d.blocks -= hashes.len() as i64;
+            d.blocks -= run.hashes(guard).len() as i64;
             let parent = self.held_run(run.parent, guard);
             let mut pm = parent.meta.lock();
             // SAFETY: the parent is locked: its table is not replaced meanwhile.
             if let Some(t) = unsafe { parent.children.load(Ordering::Relaxed, guard).as_ref() } {
-                if t.remove(run, head, self.seed) {
+                if t.remove(run, run.head, self.seed) {
                     pm.kids -= 1;
                     pm.tombs += 1;
                 }
