@@ -216,7 +216,7 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
     }
     match cfg.backend {
         Backend::Runs => {
-            let index_cfg = RunConfig { max_depth: cfg.max_depth, max_workers: cfg.max_workers };
+            let index_cfg = RunConfig { max_depth: cfg.max_depth, max_workers: cfg.max_workers, ..RunConfig::default() };
             run(cfg, move || RunIndex::new(index_cfg), shutdown).await
         }
         Backend::Positional => {

@@ -223,7 +223,9 @@ pub fn with_backend<R>(indexer: Indexer, jump: usize, f: impl FnOnceIndex<R>) ->
     let max_depth = PositionalConfig::default().max_depth;
     let max_workers = PositionalConfig::default().max_workers;
     match indexer {
-        Indexer::Kvindex(Backend::Runs) => f.call(|_| RunIndex::new(RunConfig { max_depth, max_workers })),
+        Indexer::Kvindex(Backend::Runs) => {
+            f.call(|_| RunIndex::new(RunConfig { max_depth, max_workers, ..RunConfig::default() }))
+        }
         Indexer::Kvindex(Backend::Positional) => {
             f.call(|_| PositionalIndex::new(PositionalConfig { jump, ..Default::default() }))
         }

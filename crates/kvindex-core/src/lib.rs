@@ -57,6 +57,7 @@ pub mod groups;
 pub mod hash;
 pub mod index;
 pub mod seeded;
+mod sync;
 pub mod tiers;
 pub mod workers;
 
@@ -66,4 +67,4 @@ pub use hash::{local_hashes, BlockHash, LocalHash, PrefixHash, StoredBlock, Work
 pub use index::positional::{PositionalConfig, PositionalIndex};
 pub use index::reference::ReferenceIndex;
 pub use index::runs::{RunConfig, RunIndex};
-pub use index::{ApplyOutcome, Backend, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+pub use index::{ApplyOutcome, Backend, DepthGroups, IndexStats, KvIndex, MatchOptions, WorkerMatch};

@@ -1,36 +1,51 @@
-//! Worker interning and worker sets (DESIGN §2): each `(worker_id, dp_rank)` gets a dense
-//! slot, reused after the worker is removed, so that index entries hold workers as bits.
+//! Worker interning and worker sets: each `(worker_id, dp_rank)` gets a dense slot, reused
+//! after the worker is removed and every lookup that could have seen it is over, so that
+//! index entries hold workers as bits.
 
 use crate::hash::WorkerId;
 use crate::index::linear::prefetch_lines;
 use crate::seeded::SeededMap;
-use parking_lot::{Mutex, RwLock};
+use crate::sync::{epoch, Arc, AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Mutex, Ordering};
 use smallvec::SmallVec;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// A worker's dense slot number.
 pub type Slot = u32;
 
 /// Interns worker identities to dense slots and maps slots back for lookup answers.
+///
+/// Lookups read the slot-to-worker table without a lock. A released slot is reused only after
+/// every lookup in flight at its release has finished (its free goes through the epoch
+/// collector), so a lookup that met a slot in a coverage word and names it at the end names
+/// the worker that held it, or nobody if that worker left meanwhile: never the next owner.
 pub struct WorkerRegistry {
+    /// The most slots handed out at once.
     capacity: u32,
+    /// Writers' side: workers to slots, free slots.
     inner: Mutex<RegistryInner>,
-    ids: RwLock<Vec<Option<WorkerId>>>,
-    /// Every slot in use, ordered by worker: lookups that must keep the lowest ids of many
-    /// workers tied at one depth walk it instead of sorting them.
-    order: RwLock<Vec<Slot>>,
+    /// Slot -> worker, for lookups: read without a lock.
+    ids: IdTable,
+    /// One past the highest slot ever handed out: the width of a dense slot set.
+    high: AtomicU32,
     /// Slots that lookups must check position by position (a tangled positional writer).
     holey: Box<[AtomicU64]>,
     /// Set once a slot past the first inline window is handed out: only then can a worker set
     /// spill, so writers skip prefetching spilled members before.
     wide: AtomicBool,
+    /// Released slots whose grace period is over, set by the epoch collector (which may run
+    /// on a lookup's thread, so it takes no lock): harvested into the free list by `intern`.
+    freed: Arc<Vec<AtomicU64>>,
 }
 
 #[derive(Default)]
 struct RegistryInner {
+    /// Workers and their slots.
     by_id: SeededMap<WorkerId, Slot>,
+    /// Slots free for reuse, the highest first (so `pop` takes the lowest).
     free: Vec<Slot>,
+    /// The next slot never handed out.
     next: Slot,
+    /// Slots released and not yet back in `free` (their grace period may still run).
+    pending: u32,
 }
 
 /// Why a worker could not be given a slot.
@@ -39,7 +54,97 @@ pub enum RegistryError {
     /// Every slot is taken; the payload is the capacity.
     #[error("worker registry is full ({0} slots)")]
     Full(u32),
+    /// The worker already has a slot, and so a writer: a second one would share its state.
+    #[error("worker {0:?} already has a writer")]
+    Taken(WorkerId),
 }
+
+/// Cells per chunk of the slot-to-worker table.
+#[cfg(not(loom))]
+const ID_CHUNK: usize = 1024;
+/// Cells per chunk of the slot-to-worker table (few in the model).
+#[cfg(loom)]
+const ID_CHUNK: usize = 4;
+
+/// A slot's worker: its id, and its rank with a presence bit, written before the bit.
+#[derive(Default)]
+struct IdCell {
+    worker_id: AtomicU64,
+    /// `dp_rank | PRESENT` while the slot is held, 0 when not.
+    rank: AtomicU64,
+}
+
+const PRESENT: u64 = 1 << 32;
+
+/// Slot -> worker in chunks allocated on first use, never moved or freed while the registry
+/// lives: a lookup reads a cell with two atomic loads and no lock.
+struct IdTable {
+    chunks: Box<[AtomicPtr<[IdCell; ID_CHUNK]>]>,
+}
+
+impl IdTable {
+    fn new(capacity: u32) -> IdTable {
+        IdTable { chunks: (0..(capacity as usize).div_ceil(ID_CHUNK)).map(|_| AtomicPtr::new(std::ptr::null_mut())).collect() }
+    }
+
+    /// The cell of `slot`, if its chunk exists.
+    #[inline]
+    fn cell(&self, slot: Slot) -> Option<&IdCell> {
+        let c = self.chunks.get(slot as usize / ID_CHUNK)?.load(Ordering::Acquire);
+        // SAFETY: chunks are published once and freed only with the table.
+        unsafe { c.as_ref() }.map(|c| &c[slot as usize % ID_CHUNK])
+    }
+
+    /// Writer (registry locked): the cell of `slot`, allocating its chunk.
+    fn cell_mut(&self, slot: Slot) -> &IdCell {
+        let at = &self.chunks[slot as usize / ID_CHUNK];
+        if at.load(Ordering::Acquire).is_null() {
+            let chunk: Box<[IdCell; ID_CHUNK]> = Box::new(std::array::from_fn(|_| IdCell::default()));
+            at.store(Box::into_raw(chunk), Ordering::Release);
+        }
+        match self.cell(slot) {
+            Some(c) => c,
+            None => unreachable!("the chunk was just published"),
+        }
+    }
+
+    #[inline]
+    fn get(&self, slot: Slot) -> Option<WorkerId> {
+        let c = self.cell(slot)?;
+        let rank = c.rank.load(Ordering::Acquire);
+        (rank & PRESENT != 0).then(|| WorkerId::new(c.worker_id.load(Ordering::Relaxed), rank as u32))
+    }
+
+    /// Writer: `slot` is `worker`'s (the slot is free: no lookup reads its cell meanwhile).
+    fn set(&self, slot: Slot, worker: WorkerId) {
+        let c = self.cell_mut(slot);
+        c.worker_id.store(worker.worker_id, Ordering::Relaxed);
+        c.rank.store(u64::from(worker.dp_rank) | PRESENT, Ordering::Release);
+    }
+
+    /// Writer: `slot` is nobody's.
+    fn clear(&self, slot: Slot) {
+        if let Some(c) = self.cell(slot) {
+            c.rank.store(0, Ordering::Release);
+        }
+    }
+}
+
+impl Drop for IdTable {
+    fn drop(&mut self) {
+        for c in self.chunks.iter() {
+            let p = c.load(Ordering::Relaxed);
+            if !p.is_null() {
+                // SAFETY: the table is being dropped, so no reader is left.
+                drop(unsafe { Box::from_raw(p) });
+            }
+        }
+    }
+}
+
+/// How often `intern` waits for the collector to give back a released slot when every other
+/// slot is taken, before it reports the registry full.
+const FREE_WAITS: usize = 10_000;
 
 impl WorkerRegistry {
     /// A registry for at most `capacity` workers at once.
@@ -48,10 +153,11 @@ impl WorkerRegistry {
         WorkerRegistry {
             capacity,
             inner: Mutex::new(RegistryInner::default()),
-            ids: RwLock::new(Vec::new()),
-            order: RwLock::new(Vec::new()),
+            ids: IdTable::new(capacity),
+            high: AtomicU32::new(0),
             holey: (0..words).map(|_| AtomicU64::new(0)).collect(),
             wide: AtomicBool::new(false),
+            freed: Arc::new((0..words).map(|_| AtomicU64::new(0)).collect()),
         }
     }
 
@@ -60,52 +166,98 @@ impl WorkerRegistry {
         self.capacity
     }
 
-    /// The slot of `id`, assigning the lowest free one if it has none.
+    /// A slot for `id`, the lowest free one; an error if `id` has one already (its writer
+    /// exists: a second would silently share its state) or if every slot is taken.
     pub fn intern(&self, id: WorkerId) -> Result<Slot, RegistryError> {
         let mut inner = self.inner.lock();
-        if let Some(&s) = inner.by_id.get(&id) {
-            return Ok(s);
+        if inner.by_id.contains_key(&id) {
+            return Err(RegistryError::Taken(id));
         }
-        let slot = match inner.free.pop() {
+        let slot = match self.take_free(&mut inner) {
             Some(s) => s,
-            None if inner.next < self.capacity => {
-                inner.next += 1;
-                inner.next - 1
-            }
             None => return Err(RegistryError::Full(self.capacity)),
         };
         inner.by_id.insert(id, slot);
         if slot >= WINDOW_BITS {
             self.wide.store(true, Ordering::Relaxed);
         }
-        let mut ids = self.ids.write();
-        if ids.len() <= slot as usize {
-            ids.resize(slot as usize + 1, None);
-        }
-        ids[slot as usize] = Some(id);
-        let mut order = self.order.write();
-        let at = order.partition_point(|&s| ids[s as usize].is_some_and(|w| w < id));
-        order.insert(at, slot);
+        self.ids.set(slot, id);
+        self.high.fetch_max(slot + 1, Ordering::Release);
         Ok(slot)
     }
 
-    /// Frees the slot of `id` for reuse. The caller has already removed its blocks.
-    pub fn release(&self, id: WorkerId) {
-        let mut inner = self.inner.lock();
-        if let Some(slot) = inner.by_id.remove(&id) {
-            let mut ids = self.ids.write();
-            ids[slot as usize] = None;
-            self.order.write().retain(|&s| s != slot);
-            self.set_holey(slot, false);
-            inner.free.push(slot);
+    /// The lowest free slot: a released one whose grace period is over, else a new one; when
+    /// every slot is taken but some wait for their grace period, waits for it.
+    fn take_free(&self, inner: &mut RegistryInner) -> Option<Slot> {
+        for attempt in 0..=FREE_WAITS {
+            self.harvest(inner);
+            if let Some(s) = inner.free.pop() {
+                return Some(s);
+            }
+            if inner.next < self.capacity {
+                inner.next += 1;
+                return Some(inner.next - 1);
+            }
+            if inner.pending == 0 || attempt == FREE_WAITS {
+                return None;
+            }
+            epoch::pin().flush();
+            crate::sync::yield_now();
+        }
+        None
+    }
+
+    /// Moves slots the collector gave back into the free list.
+    fn harvest(&self, inner: &mut RegistryInner) {
+        if inner.pending == 0 {
+            return;
+        }
+        let mut got = false;
+        for (i, w) in self.freed.iter().enumerate() {
+            if w.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = w.swap(0, Ordering::Acquire);
+            while bits != 0 {
+                inner.free.push(i as Slot * 64 + bits.trailing_zeros());
+                inner.pending -= 1;
+                bits &= bits - 1;
+                got = true;
+            }
+        }
+        if got {
             // Lowest slots first keeps worker sets inside the first inline window.
             inner.free.sort_unstable_by(|a, b| b.cmp(a));
         }
     }
 
+    /// Frees the slot of `id`. The caller has already withdrawn its blocks from lookups. The
+    /// slot names nobody from now on and is handed out again once every lookup in flight now
+    /// has finished.
+    pub fn release(&self, id: WorkerId) {
+        let mut inner = self.inner.lock();
+        let Some(slot) = inner.by_id.remove(&id) else { return };
+        self.ids.clear(slot);
+        self.set_holey(slot, false);
+        inner.pending += 1;
+        drop(inner);
+        let freed = self.freed.clone();
+        let guard = epoch::pin();
+        guard.defer(move || {
+            freed[slot as usize / 64].fetch_or(1 << (slot % 64), Ordering::Release);
+        });
+        guard.flush();
+    }
+
     /// The slot of `id`, if it has one.
     pub fn slot(&self, id: WorkerId) -> Option<Slot> {
         self.inner.lock().by_id.get(&id).copied()
+    }
+
+    /// The worker holding `slot`, read without a lock.
+    #[inline]
+    pub fn worker(&self, slot: Slot) -> Option<WorkerId> {
+        self.ids.get(slot)
     }
 
     /// Whether worker sets may have spilled: a slot past the first inline window was handed out.
@@ -125,18 +277,9 @@ impl WorkerRegistry {
     }
 
     /// One past the highest slot ever assigned: the width of a dense slot bitset.
+    #[inline]
     pub fn high_water(&self) -> u32 {
-        self.ids.read().len() as u32
-    }
-
-    /// Calls `f` with the slot-to-worker table (read-locked once per lookup).
-    pub fn with_ids<R>(&self, f: impl FnOnce(&[Option<WorkerId>]) -> R) -> R {
-        f(&self.ids.read())
-    }
-
-    /// Calls `f` with the slots in use ordered by worker (read-locked once per lookup).
-    pub fn with_order<R>(&self, f: impl FnOnce(&[Slot]) -> R) -> R {
-        f(&self.order.read())
+        self.high.load(Ordering::Acquire)
     }
 
     pub(crate) fn set_holey(&self, slot: Slot, on: bool) {
@@ -960,18 +1103,39 @@ mod tests {
     use super::*;
 
     #[test]
-    fn interning_reuses_released_slots() {
+    fn interning_reuses_released_slots_after_their_grace_period() {
         let r = WorkerRegistry::new(4);
         let a = r.intern(WorkerId::new(10, 0)).unwrap();
         let b = r.intern(WorkerId::new(10, 1)).unwrap();
         assert_eq!((a, b), (0, 1));
-        assert_eq!(r.intern(WorkerId::new(10, 0)).unwrap(), 0);
-        r.release(WorkerId::new(10, 0));
-        assert_eq!(r.slot(WorkerId::new(10, 0)), None);
-        assert_eq!(r.intern(WorkerId::new(99, 0)).unwrap(), 0);
+        assert_eq!(r.worker(0), Some(WorkerId::new(10, 0)));
+        assert_eq!(r.intern(WorkerId::new(10, 0)), Err(RegistryError::Taken(WorkerId::new(10, 0))), "a second writer is refused");
         r.intern(WorkerId::new(1, 0)).unwrap();
         r.intern(WorkerId::new(2, 0)).unwrap();
         assert_eq!(r.intern(WorkerId::new(3, 0)), Err(RegistryError::Full(4)));
+        r.release(WorkerId::new(10, 0));
+        assert_eq!(r.slot(WorkerId::new(10, 0)), None);
+        assert_eq!(r.worker(0), None, "a released slot names nobody at once");
+        // Every other slot is taken: interning waits for the released one's grace period.
+        assert_eq!(r.intern(WorkerId::new(99, 0)).unwrap(), 0);
+        assert_eq!(r.worker(0), Some(WorkerId::new(99, 0)));
+        assert_eq!(r.intern(WorkerId::new(3, 0)), Err(RegistryError::Full(4)));
+    }
+
+    #[test]
+    fn a_slot_released_under_a_pinned_lookup_is_not_reused_before_it_ends() {
+        let r = WorkerRegistry::new(2);
+        r.intern(WorkerId::new(1, 0)).unwrap();
+        r.intern(WorkerId::new(2, 0)).unwrap();
+        let lookup = epoch::pin();
+        r.release(WorkerId::new(1, 0));
+        for _ in 0..100 {
+            epoch::pin().flush();
+        }
+        // The lookup pinned before the release still runs: the slot stays out of reach.
+        assert_eq!(r.intern(WorkerId::new(3, 0)), Err(RegistryError::Full(2)));
+        drop(lookup);
+        assert_eq!(r.intern(WorkerId::new(3, 0)).unwrap(), 0);
     }
 
     #[test]

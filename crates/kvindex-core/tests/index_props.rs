@@ -9,7 +9,7 @@ use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
-use kvindex_core::index::{ApplyOutcome, KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::index::{ApplyOutcome, DepthGroups, KvIndex, MatchOptions, WorkerMatch};
 use proptest::prelude::*;
 use std::collections::HashMap;
 
@@ -152,15 +152,40 @@ impl<I: KvIndex> Driver<I> {
             Op::Restart => (None, None),
             Op::Lookup { query, only, max_blocks, max_matches } => {
                 let q: Vec<LocalHash> = query.iter().map(|&l| LocalHash(l)).collect();
-                let opts = MatchOptions {
+                let all = MatchOptions {
                     workers: only.as_ref().map(|o| o.iter().map(|x| x * spread).collect()),
                     max_blocks: *max_blocks,
-                    max_matches: *max_matches,
+                    max_matches: None,
                 };
-                (None, Some(index.find_matches(&q, &opts)))
+                let complete = index.find_matches(&q, &all);
+                let mut grouped = DepthGroups::default();
+                index.find_grouped(&q, &all, &mut grouped);
+                assert_eq!(grouped.normalized(), DepthGroups::from_matches(&complete), "{}: grouped answer", index.name());
+                if let Some(k) = *max_matches {
+                    let cut = index.find_matches(&q, &MatchOptions { max_matches: Some(k), ..all.clone() });
+                    assert_cut(&complete, &cut, k);
+                    index.find_grouped(&q, &MatchOptions { max_matches: Some(k), ..all }, &mut grouped);
+                    assert_cut(&complete, &grouped.to_matches(), k);
+                }
+                (None, Some(complete))
             }
         }
     }
+}
+
+/// A cut answer keeps `k` of the complete one's deepest: the same depths, each worker at its
+/// depth (which of the workers tied at the cut is the rotation's choice).
+fn assert_cut(complete: &[WorkerMatch], cut: &[WorkerMatch], k: usize) {
+    let want: Vec<u32> = complete.iter().take(k).map(|m| m.blocks).collect();
+    let got: Vec<u32> = cut.iter().map(|m| m.blocks).collect();
+    assert_eq!(got, want, "a cut keeps the deepest {k}, deepest first");
+    for m in cut {
+        assert!(complete.contains(m), "{m:?} is not in the complete answer {complete:?}");
+    }
+    let mut ids: Vec<_> = cut.iter().map(|m| m.worker).collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), cut.len(), "no worker twice");
 }
 
 fn check(ops: &[Op], jump: usize, spread: u64) -> Result<(), TestCaseError> {
@@ -171,7 +196,8 @@ fn check_depth(ops: &[Op], jump: usize, spread: u64, max_depth: u32) -> Result<(
     let cfg = PositionalConfig { jump, max_depth, max_workers: 1 << 12 };
     let mut reference = Driver::new(move || ReferenceIndex::new(max_depth, 1 << 12), spread);
     let mut positional = Driver::new(move || PositionalIndex::new(cfg), spread);
-    let mut runs = Driver::new(move || RunIndex::new(RunConfig { max_depth, max_workers: 1 << 12 }), spread);
+    let mut runs =
+        Driver::new(move || RunIndex::new(RunConfig { max_depth, max_workers: 1 << 12, ..RunConfig::default() }), spread);
     for (i, op) in ops.iter().enumerate() {
         let want = reference.apply(op);
         let got_p = positional.apply(op);

@@ -38,6 +38,9 @@ pub struct ApplyOutcome {
     pub too_deep: u64,
     /// Events not applied because the worker could not be tracked (every slot taken).
     pub refused: u64,
+    /// Stored blocks refused because the worker holds the most blocks a worker may: the
+    /// worker's state is incomplete, so it is flagged stale.
+    pub over_limit: u64,
     /// Host or disk blocks whose parent the worker does not hold in that tier: not placed
     /// there, and no sign that the worker's device state is off (see [`crate::tiers`]).
     pub tier_unplaceable: u64,
@@ -58,6 +61,7 @@ impl ApplyOutcome {
         self.unplaceable += other.unplaceable;
         self.too_deep += other.too_deep;
         self.refused += other.refused;
+        self.over_limit += other.over_limit;
         self.tier_unplaceable += other.tier_unplaceable;
         self.group_missed += other.group_missed;
     }
@@ -70,9 +74,106 @@ pub struct MatchOptions {
     pub workers: Option<Vec<u64>>,
     /// Only the first `max_blocks` blocks of the request are matched.
     pub max_blocks: Option<usize>,
-    /// At most this many matches, the deepest; `None` means all. A lookup that a thousand
-    /// workers match then costs a linear selection, not a sort of every match.
+    /// At most this many matches, the deepest; `None` means all. Where the cut falls among
+    /// workers tied at one depth, those kept rotate from one lookup to the next (never the
+    /// lowest ids every time, which would steer load onto them).
     pub max_matches: Option<usize>,
+}
+
+/// Every matching worker grouped by depth, deepest first: the complete answer a router that
+/// weighs load needs, at the cost of the distinct depths, not of a sort of the workers (a
+/// thousand workers that share a system prompt and nothing after it are one group).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct DepthGroups {
+    /// Each group's depth and the end of its workers in `workers`, deepest first.
+    groups: Vec<(u32, u32)>,
+    /// The workers, group after group, in no particular order within a group.
+    workers: Vec<WorkerId>,
+}
+
+impl DepthGroups {
+    /// Empties it, keeping its allocations.
+    pub fn clear(&mut self) {
+        self.groups.clear();
+        self.workers.clear();
+    }
+
+    /// Appends a group of `workers` at `depth`, shallower than the last group (an empty
+    /// group is left out).
+    pub fn push_group(&mut self, depth: u32, workers: impl IntoIterator<Item = WorkerId>) {
+        debug_assert!(self.groups.last().is_none_or(|&(d, _)| d > depth), "groups go deepest first");
+        self.workers.extend(workers);
+        let end = self.workers.len() as u32;
+        if self.groups.last().map_or(0, |&(_, e)| e) < end {
+            self.groups.push((depth, end));
+        }
+    }
+
+    /// The groups, deepest first: each depth with its workers.
+    pub fn iter(&self) -> impl Iterator<Item = (u32, &[WorkerId])> + '_ {
+        let mut from = 0;
+        self.groups.iter().map(move |&(d, end)| {
+            let ws = &self.workers[from as usize..end as usize];
+            from = end;
+            (d, ws)
+        })
+    }
+
+    /// Workers in all.
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    /// No worker matches.
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    /// Distinct depths.
+    pub fn groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// The depth of `worker`, if it matches.
+    pub fn depth_of(&self, worker: WorkerId) -> Option<u32> {
+        self.iter().find(|(_, ws)| ws.contains(&worker)).map(|(d, _)| d)
+    }
+
+    /// One match per worker, deepest first, ties by worker id.
+    pub fn to_matches(&self) -> Vec<WorkerMatch> {
+        let mut out = Vec::with_capacity(self.len());
+        for (blocks, ws) in self.iter() {
+            let from = out.len();
+            out.extend(ws.iter().map(|&worker| WorkerMatch { worker, blocks }));
+            out[from..].sort_unstable_by_key(|m| m.worker);
+        }
+        out
+    }
+
+    /// The groups of `matches`, which are deepest first.
+    pub fn from_matches(matches: &[WorkerMatch]) -> DepthGroups {
+        let mut g = DepthGroups::default();
+        g.extend_from_matches(matches);
+        g
+    }
+
+    /// Appends the groups of `matches` (deepest first, shallower than what it holds).
+    pub fn extend_from_matches(&mut self, matches: &[WorkerMatch]) {
+        for chunk in matches.chunk_by(|a, b| a.blocks == b.blocks) {
+            self.push_group(chunk[0].blocks, chunk.iter().map(|m| m.worker));
+        }
+    }
+
+    /// The same answer with each group's workers sorted, for comparing answers.
+    pub fn normalized(&self) -> DepthGroups {
+        let mut g = self.clone();
+        let mut from = 0;
+        for &(_, end) in &self.groups {
+            g.workers[from as usize..end as usize].sort_unstable();
+            from = end;
+        }
+        g
+    }
 }
 
 /// One worker's answer: the length of the longest contiguous prefix of the request it holds.
@@ -180,8 +281,19 @@ pub trait KvIndex: Send + Sync + 'static {
     fn worker_id(w: &Self::Writer) -> WorkerId;
 
     /// Workers holding at least the first block of `query`, with their contiguous match
-    /// depth, deepest first (ties by worker id).
+    /// depth, deepest first (ties by worker id; see [`MatchOptions::max_matches`] for a cut).
+    ///
+    /// Each worker's depth is its depth in one state it passed through while the lookup ran,
+    /// and the worker named is the one that held it (see the [module doc](self)).
     fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch>;
+
+    /// [`KvIndex::find_matches`] grouped by depth into `out` (cleared first): the complete
+    /// answer at the cost of its distinct depths. Backends answer it natively; by default it
+    /// groups `find_matches`.
+    fn find_grouped(&self, query: &[LocalHash], opts: &MatchOptions, out: &mut DepthGroups) {
+        out.clear();
+        out.extend_from_matches(&self.find_matches(query, opts));
+    }
 
     /// Returns once every write accepted so far is applied and the memory it retired is
     /// released (as far as lookups in flight allow), for benchmarks and memory readings. The
@@ -258,44 +370,59 @@ pub(crate) fn candidate_slots(registry: &WorkerRegistry, opts: &MatchOptions, ou
     if let Some(filter) = &opts.workers {
         // A set, so that a long filter costs its length once, not once per worker slot.
         let filter: std::collections::HashSet<u64, SeededState> = filter.iter().copied().collect();
-        registry.with_ids(|ids| {
-            for (slot, id) in ids.iter().enumerate() {
-                if !id.is_some_and(|id| filter.contains(&id.worker_id)) {
-                    out.remove(slot as Slot);
-                }
+        for slot in 0..width {
+            if !registry.worker(slot).is_some_and(|id| filter.contains(&id.worker_id)) {
+                out.remove(slot);
             }
-        });
+        }
     }
 }
 
-/// Turns `(slot, depth)` pairs into sorted worker matches, at most `limit` of them.
+/// Turns `(slot, depth)` pairs into sorted worker matches, at most `limit` of them. The
+/// caller is still pinned, so no slot met in the lookup has a new owner yet.
 pub(crate) fn finish_matches(registry: &WorkerRegistry, depths: &[(Slot, u32)], limit: Option<usize>) -> Vec<WorkerMatch> {
-    let mut out = Vec::with_capacity(depths.len());
-    registry.with_ids(|ids| {
-        for &(s, d) in depths {
-            if let Some(&Some(worker)) = ids.get(s as usize) {
-                out.push(WorkerMatch { worker, blocks: d });
-            }
-        }
-    });
+    let mut out: Vec<WorkerMatch> =
+        depths.iter().filter_map(|&(s, blocks)| registry.worker(s).map(|worker| WorkerMatch { worker, blocks })).collect();
     order_matches(&mut out, limit);
     out
 }
 
-/// Orders matches deepest first (ties by worker id) and keeps the first `limit`: the best
-/// `limit` are selected in linear time first, and only they are sorted. Public so that
-/// adapters of other indexes (the bench's peers) answer in the same order.
+/// Orders matches deepest first (ties by worker id) and keeps the first `limit`; where the
+/// cut falls among workers tied at one depth, those kept are chosen in rotation
+/// ([`rotation`]). Public so that adapters of other indexes (the bench's peers) answer alike.
 pub fn order_matches(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
-    let order = |a: &WorkerMatch, b: &WorkerMatch| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker));
-    if let Some(k) = limit.filter(|&k| k < out.len()) {
-        if k == 0 {
-            out.clear();
-            return;
-        }
-        out.select_nth_unstable_by(k - 1, order);
-        out.truncate(k);
+    out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+    let Some(k) = limit.filter(|&k| k < out.len()) else { return };
+    let d = out[k].blocks;
+    let from = out.partition_point(|m| m.blocks > d);
+    if from < k {
+        let to = out.partition_point(|m| m.blocks >= d);
+        let tied = &mut out[from..to];
+        let start = rotation(tied.len(), k - from);
+        tied.rotate_left(start);
+        tied[..k - from].sort_unstable_by_key(|m| m.worker);
     }
-    out.sort_unstable_by(order);
+    out.truncate(k);
+}
+
+thread_local! {
+    /// Where the next cut among tied workers starts, per thread: it moves on by what each cut
+    /// keeps, so consecutive lookups on a thread keep each tied worker equally often.
+    static ROTATION: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Where to start keeping `want` of `n` workers tied at the cut (kept cyclically from there):
+/// a rotating offset, so that over lookups every tied worker is kept equally often, and
+/// deterministic on a thread, so that tests can check it.
+pub fn rotation(n: usize, want: usize) -> usize {
+    if n == 0 {
+        return 0;
+    }
+    ROTATION.with(|r| {
+        let start = r.get() % n;
+        r.set(start.wrapping_add(want));
+        start
+    })
 }
 
 /// Which backend to build; chosen by config or on the command line.

@@ -1329,6 +1329,9 @@ impl KvIndex for PositionalIndex {
         }
         let query = &query[..n];
         SCRATCH.with(|cell| {
+            // Pinned from the filter to the naming of its slots: a slot released meanwhile has
+            // no new owner until the end.
+            let _pinned = crossbeam_epoch::pin();
             let s = &mut *cell.borrow_mut();
             let Scratch { prefixes, alive, probe, pool, depths } = s;
             prefixes.clear();

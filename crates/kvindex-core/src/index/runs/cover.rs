@@ -23,7 +23,7 @@
 //! - a reader keeps the first word it meets for a slot: a worker that vacated one word and took
 //!   another meanwhile is seen once, in one of its states.
 
-use super::sync::{AtomicU32, AtomicU64, Ordering};
+use crate::sync::{AtomicU32, AtomicU64, Ordering};
 use crate::workers::Slot;
 
 /// A word that holds no worker (no slot is `u32::MAX`).

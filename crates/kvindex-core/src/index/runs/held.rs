@@ -4,14 +4,26 @@
 //! that makes or fills them, never a lookup, and never a change in another run.
 
 /// A worker's state in a run, private to its writer.
+///
+/// Invariant, between events and once the grace periods asked for are over: `shown` (what
+/// lookups see) is `cut` where `reach` holds, 0 elsewhere. Within a grace period, a run that
+/// lost `reach` keeps the cutoff it showed (`frozen`), for the lookups that reached it before.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Mine {
-    /// It holds the run's first `cut` blocks (the cutoff its coverage word says).
+    /// It holds the run's first `cut` blocks.
     pub(crate) cut: u32,
     /// Its coverage word's index in the run's list (a hint: a grown list moves words).
     pub(crate) hint: u32,
     /// Blocks it holds past the cutoff, in its hidden intervals.
     pub(crate) hidden: u32,
+    /// The cutoff its coverage word says.
+    pub(crate) shown: u32,
+    /// It holds the whole path to the run: the parent run up to where the run hangs, and so
+    /// on to the root. Without it, nothing of the run is part of any match.
+    pub(crate) reach: bool,
+    /// Non-zero: the run lost `reach` with `shown` still published; it is withdrawn once the
+    /// grace period of this generation is over.
+    pub(crate) frozen: u32,
 }
 
 /// Offsets held past a hole: sorted, disjoint, non-adjacent `[start, end)` intervals, each
@@ -19,10 +31,10 @@ pub(crate) struct Mine {
 pub(crate) type Hidden = Vec<(u32, u32)>;
 
 impl Mine {
-    /// Holds nothing in the run: its writer forgets the run.
+    /// Holds nothing in the run and shows nothing: its writer forgets the run.
     #[inline]
     pub(crate) fn is_empty(&self) -> bool {
-        self.cut == 0 && self.hidden == 0
+        self.cut == 0 && self.hidden == 0 && self.shown == 0
     }
 
     /// Whether it holds offset `x`; `hidden` is its list, needed only when `self.hidden > 0`.

@@ -29,12 +29,11 @@ mod cover;
 mod held;
 mod shared;
 mod slab;
-mod sync;
 mod writer;
 
 pub use writer::RunWriter;
 
-use super::{candidate_slots, finish_matches, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
+use super::{candidate_slots, DepthGroups, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::workers::{Slot, SlotBits, WorkerRegistry};
 use cover::Cover;
@@ -51,11 +50,22 @@ pub struct RunConfig {
     pub max_depth: u32,
     /// Most workers (worker id, dp rank) held at once.
     pub max_workers: u32,
+    /// Most blocks one worker holds (engine hashes in its writer): a store past it is cut
+    /// short and the rest counted as [`ApplyOutcome::over_limit`], so one publisher cannot
+    /// grow the index without bound.
+    pub max_blocks_per_worker: u64,
+    /// Workers holding a run before its coverage turns dense, a cutoff per slot (and half as
+    /// many to turn back), if they are also a sixteenth of the fleet: a dense cover costs four
+    /// bytes a slot of the fleet. A setting so that tests can make runs switch forms often.
+    pub dense_at: u32,
 }
+
+/// Blocks a worker may hold by default: a large engine's device and host caches together.
+pub const MAX_BLOCKS_PER_WORKER: u64 = 1 << 23;
 
 impl Default for RunConfig {
     fn default() -> Self {
-        RunConfig { max_depth: 1 << 16, max_workers: 1 << 16 }
+        RunConfig { max_depth: 1 << 16, max_workers: 1 << 16, max_blocks_per_worker: MAX_BLOCKS_PER_WORKER, dense_at: 32 }
     }
 }
 
@@ -122,55 +132,75 @@ impl RunIndex {
         let mut pos = 0usize;
         let width = s.alive.words().len();
         loop {
-            let k = common_len(run.hashes(guard), &q[pos..]);
             // Who holds how much of the run: those holding fewer than `k` blocks end here, those
-            // holding none where it starts.
+            // holding none where it starts. The coverage is read before the hashes: a writer
+            // appends a run's hashes before it publishes a cutoff over them, so no cutoff read
+            // here reaches past the hashes read after it.
             s.next.clear_to(width);
             let mut ended = s.spare.pop().unwrap_or_default();
             ended.clear_to(width);
+            s.cuts.clear();
+            let k;
             match run.cover(guard) {
                 Cover::List(l) => {
                     s.seen.clear_to(width);
-                    let (alive, next, seen, out) = (&s.alive, &mut s.next, &mut s.seen, &mut s.out);
+                    let (alive, seen, cuts) = (&s.alive, &mut s.seen, &mut s.cuts);
                     l.scan(|slot, cut| {
-                        if !alive.contains(slot) || seen.contains(slot) {
-                            return;
-                        }
-                        seen.insert(slot);
-                        if cut as usize >= k {
-                            next.insert(slot);
-                        } else {
-                            out.push((slot, (pos + cut as usize) as u32));
+                        if alive.contains(slot) && !seen.contains(slot) {
+                            seen.insert(slot);
+                            cuts.push((slot, cut));
                         }
                     });
+                    k = common_len(run.hashes(guard), &q[pos..]);
+                    for &(slot, cut) in &s.cuts {
+                        if cut as usize >= k {
+                            s.next.insert(slot);
+                        } else {
+                            s.out.push((slot, (pos + cut as usize) as u32));
+                        }
+                    }
                     for ((e, &a), &h) in ended.words_mut().iter_mut().zip(s.alive.words()).zip(s.seen.words()) {
                         *e = a & !h;
                     }
                 }
                 Cover::Dense(d) => {
-                    let full_goes_on = d.len() as usize >= k;
-                    let next = s.next.words_mut();
-                    for (i, (&a, e)) in s.alive.words().iter().zip(ended.words_mut()).enumerate() {
+                    s.dense.clear();
+                    for (i, &a) in s.alive.words().iter().enumerate() {
                         if a == 0 {
                             continue;
                         }
                         let (h, f) = d.bits(i);
-                        let (h, f) = (h & a, if full_goes_on { f & a } else { 0 });
-                        let mut ends = a & !h;
-                        let mut goes = f;
+                        let (h, f) = (h & a, f & a);
+                        s.dense.push((i, h, f));
                         let mut rest = h & !f;
                         while rest != 0 {
-                            let b = rest.trailing_zeros();
+                            let slot = (i * 64) as Slot + rest.trailing_zeros();
                             rest &= rest - 1;
-                            let slot = (i * 64) as Slot + b;
-                            match d.cut(slot) {
-                                0 => ends |= 1 << b,
-                                c if c as usize >= k => goes |= 1 << b,
-                                c => s.out.push((slot, (pos + c as usize) as u32)),
+                            s.cuts.push((slot, d.cut(slot)));
+                        }
+                    }
+                    k = common_len(run.hashes(guard), &q[pos..]);
+                    let (len, full_goes_on) = (d.len() as usize, d.len() as usize >= k);
+                    let (next, ends) = (s.next.words_mut(), ended.words_mut());
+                    for &(i, h, f) in &s.dense {
+                        ends[i] = s.alive.words()[i] & !h;
+                        if full_goes_on {
+                            next[i] = f;
+                        } else {
+                            let mut full = f;
+                            while full != 0 {
+                                s.out.push(((i * 64) as Slot + full.trailing_zeros(), (pos + len) as u32));
+                                full &= full - 1;
                             }
                         }
-                        *e = ends;
-                        next[i] = goes;
+                    }
+                    for &(slot, c) in &s.cuts {
+                        let (i, bit) = (slot as usize / 64, 1u64 << (slot % 64));
+                        match c as usize {
+                            0 => ends[i] |= bit,
+                            c if c >= k => next[i] |= bit,
+                            c => s.out.push((slot, (pos + c) as u32)),
+                        }
                     }
                 }
             }
@@ -193,22 +223,19 @@ impl RunIndex {
         }
     }
 
-    /// The answer from the walk's ends: every worker, or the `limit` deepest (ties by worker
-    /// id). A set tied at the cut is read in worker order, so a thousand workers tied at the
-    /// depth of a shared system prompt cost the few the answer keeps, not a sort of them all.
-    fn answer(&self, s: &mut Scratch, limit: Option<usize>) -> Vec<WorkerMatch> {
-        let total = s.out.len() + s.groups.iter().map(|(_, g)| g.len()).sum::<usize>();
-        let Some(limit) = limit.filter(|&l| l < total) else {
-            for (d, g) in &s.groups {
-                s.out.extend(g.iter().map(|slot| (slot, *d)));
-            }
-            return finish_matches(&self.registry, &s.out, limit);
-        };
+    /// The answer from the walk's ends, grouped by depth into `out`: every worker, or the
+    /// `limit` deepest. A set tied at the cut gives the members a rotation picks
+    /// ([`super::rotation`]), so a thousand workers tied at the depth of a shared system prompt
+    /// cost the few the answer keeps, and not the same few every time. Slots map to workers
+    /// here, while the lookup is still pinned: a slot met in the walk has no new owner yet.
+    fn collect(&self, s: &mut Scratch, limit: Option<usize>, out: &mut DepthGroups) {
+        out.clear();
         s.out.sort_unstable_by_key(|x| std::cmp::Reverse(x.1));
         s.groups.sort_unstable_by_key(|g| std::cmp::Reverse(g.0));
-        let mut chosen: Vec<(Slot, u32)> = Vec::with_capacity(limit);
+        let reg = &self.registry;
+        let mut room = limit.unwrap_or(usize::MAX);
         let (mut i, mut j) = (0, 0);
-        while chosen.len() < limit {
+        while room > 0 {
             let d = match (s.out.get(i), s.groups.get(j)) {
                 (Some(a), Some(g)) => a.1.max(g.0),
                 (Some(a), None) => a.1,
@@ -217,18 +244,17 @@ impl RunIndex {
             };
             let singles = s.out[i..].iter().take_while(|x| x.1 == d).count();
             let sets = s.groups[j..].iter().take_while(|g| g.0 == d).count();
-            let here = singles + s.groups[j..j + sets].iter().map(|(_, g)| g.len()).sum::<usize>();
-            if chosen.len() + here <= limit {
-                chosen.extend_from_slice(&s.out[i..i + singles]);
-                for (_, g) in &s.groups[j..j + sets] {
-                    chosen.extend(g.iter().map(|slot| (slot, d)));
-                }
+            let (ones, sets_here) = (&s.out[i..i + singles], &s.groups[j..j + sets]);
+            let here = singles + sets_here.iter().map(|(_, g)| g.len()).sum::<usize>();
+            if here <= room {
+                let members = ones.iter().map(|&(slot, _)| slot).chain(sets_here.iter().flat_map(|(_, g)| g.iter()));
+                out.push_group(d, members.filter_map(|slot| reg.worker(slot)));
+                room -= here;
             } else {
-                // The cut falls in this depth: keep its lowest worker ids.
                 let mut tied = s.spare.pop().unwrap_or_default();
                 tied.clear();
-                s.out[i..i + singles].iter().for_each(|&(slot, _)| tied.insert(slot));
-                for (_, g) in &s.groups[j..j + sets] {
+                ones.iter().for_each(|&(slot, _)| tied.insert(slot));
+                for (_, g) in sets_here {
                     for (t, &w) in tied.words_mut().iter_mut().zip(g.words()) {
                         *t |= w;
                     }
@@ -236,24 +262,41 @@ impl RunIndex {
                         g.iter().for_each(|slot| tied.insert(slot));
                     }
                 }
-                let want = limit - chosen.len();
-                self.registry.with_order(|order| {
-                    chosen.extend(order.iter().filter(|&&slot| tied.contains(slot)).take(want).map(|&slot| (slot, d)));
-                });
+                let start = super::rotation(tied.len(), room);
+                let kept = tied.iter().skip(start).chain(tied.iter().take(start)).take(room);
+                out.push_group(d, kept.filter_map(|slot| reg.worker(slot)));
                 s.spare.push(tied);
                 break;
             }
             i += singles;
             j += sets;
         }
-        finish_matches(&self.registry, &chosen, Some(limit))
+    }
+
+    /// One lookup into `out`, pinned from the walk to the naming of its workers.
+    fn lookup(&self, query: &[LocalHash], opts: &MatchOptions, out: &mut DepthGroups) {
+        out.clear();
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        if n == 0 {
+            return;
+        }
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            s.reset();
+            // Pinned before the filter names its slots: none of them changes owner until the end.
+            let guard = epoch::pin();
+            candidate_slots(&self.registry, opts, &mut s.alive);
+            self.walk(&query[..n], &mut s, &guard);
+            self.collect(&mut s, opts.max_matches, out);
+            drop(guard);
+        })
     }
 }
 
 /// How many leading hashes of `run` equal the query's.
 #[inline]
-fn common_len(run: &[u64], q: &[LocalHash]) -> usize {
-    run.iter().zip(q).take_while(|(a, b)| **a == b.0).count()
+fn common_len(run: impl AsRef<[u64]>, q: &[LocalHash]) -> usize {
+    run.as_ref().iter().zip(q).take_while(|(a, b)| **a == b.0).count()
 }
 
 /// A lookup's working sets, reused across lookups on a thread.
@@ -267,6 +310,11 @@ struct Scratch {
     seen: SlotBits,
     /// `(slot, depth)` of workers whose match ended on their own.
     out: Vec<(Slot, u32)>,
+    /// The current run's `(slot, cutoff)` of the workers read one by one, before they are
+    /// compared with the hashes.
+    cuts: Vec<(Slot, u32)>,
+    /// The current dense run's `(word, holders, full)` bits of the workers still matching.
+    dense: Vec<(usize, u64, u64)>,
     /// Sets of workers whose match ended together, with the depth.
     groups: Vec<(u32, SlotBits)>,
     /// Sets to reuse.
@@ -291,8 +339,20 @@ impl Scratch {
     }
 }
 
+#[cfg(not(loom))]
 thread_local! {
+    /// A lookup's working sets, reused by the thread's next lookup.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// A flat lookup's groups before they are flattened.
+    static GROUPED: RefCell<DepthGroups> = RefCell::new(DepthGroups::default());
+}
+
+#[cfg(loom)]
+loom::thread_local! {
+    /// A lookup's working sets, per model thread.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+    /// A flat lookup's groups, per model thread.
+    static GROUPED: RefCell<DepthGroups> = RefCell::new(DepthGroups::default());
 }
 
 impl KvIndex for RunIndex {
@@ -328,18 +388,15 @@ impl KvIndex for RunIndex {
     }
 
     fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
-        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
-        if n == 0 {
-            return Vec::new();
-        }
-        SCRATCH.with_borrow_mut(|s| {
-            s.reset();
-            candidate_slots(&self.registry, opts, &mut s.alive);
-            let guard = epoch::pin();
-            self.walk(&query[..n], s, &guard);
-            drop(guard);
-            self.answer(s, opts.max_matches)
+        GROUPED.with(|g| {
+            let mut g = g.borrow_mut();
+            self.lookup(query, opts, &mut g);
+            g.to_matches()
         })
+    }
+
+    fn find_grouped(&self, query: &[LocalHash], opts: &MatchOptions, out: &mut DepthGroups) {
+        self.lookup(query, opts, out);
     }
 
     /// Writes apply on the caller's thread; what they retired (replaced arrays, dead runs) is

@@ -4,16 +4,22 @@
 //! new copy and retiring the old one to the epoch collector.
 
 use super::cover::{Cover, List};
+use crate::sync::{AtomicPtr, AtomicU32, AtomicU64, Mutex, Ordering};
 use crossbeam_epoch::{self as epoch, Atomic, Guard};
-use parking_lot::Mutex;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, Ordering};
 
 /// A run's number in the index's slab: how writers' maps name it (four bytes, not eight).
 pub(crate) type RunId = u32;
 
 /// The root's id: the virtual run of no blocks whose children are the chains' first blocks.
 pub(crate) const ROOT: RunId = 0;
+
+/// A run's published hashes as a reader sees them: the array itself (a copy in the model).
+#[cfg(not(loom))]
+pub(crate) type HashView<'a> = &'a [u64];
+/// A run's published hashes as a reader sees them: the array itself (a copy in the model).
+#[cfg(loom)]
+pub(crate) type HashView<'a> = Vec<u64>;
 
 /// A run's local hashes, append-only: the first `len` never change while the array lives, so a
 /// reader that loads `len` reads them as plain memory.
@@ -34,13 +40,21 @@ impl Hashes {
     }
 
     /// The published hashes.
+    #[cfg(not(loom))]
     #[inline]
-    pub(crate) fn published(&self) -> &[u64] {
+    pub(crate) fn published(&self) -> HashView<'_> {
         let len = (self.len.load(Ordering::Acquire) as usize).min(self.words.len());
         // SAFETY: `AtomicU64` has the layout of `u64`. The first `len` words were stored before
         // `len` was released (the acquire above orders them before these reads), and no word
         // below `len` is written again while the array lives, so nothing races the reads.
         unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast::<u64>(), len) }
+    }
+
+    /// The published hashes, each loaded (loom's atomics are not plain memory).
+    #[cfg(loom)]
+    pub(crate) fn published(&self) -> HashView<'_> {
+        let len = (self.len.load(Ordering::Acquire) as usize).min(self.words.len());
+        self.words[..len].iter().map(|w| w.load(Ordering::Relaxed)).collect()
     }
 
     /// Writer: hashes written.
@@ -267,9 +281,9 @@ impl Run {
 
     /// Reader: its published hashes (none for the root).
     #[inline]
-    pub(crate) fn hashes<'g>(&self, guard: &'g Guard) -> &'g [u64] {
+    pub(crate) fn hashes<'g>(&self, guard: &'g Guard) -> HashView<'g> {
         // SAFETY: arrays are retired through the collector only after being replaced.
-        unsafe { self.hashes.load(Ordering::Acquire, guard).as_ref() }.map_or(&[], Hashes::published)
+        unsafe { self.hashes.load(Ordering::Acquire, guard).as_ref() }.map_or_else(Default::default, Hashes::published)
     }
 
     /// Reader: its coverage.

@@ -4,15 +4,22 @@
 //! run it holds blocks in, which cannot die under it.
 
 use super::shared::{Run, RunId, ROOT};
+use crate::sync::{AtomicPtr, Mutex, Ordering};
 use crossbeam_epoch::Guard;
-use parking_lot::Mutex;
-use std::sync::atomic::{AtomicPtr, Ordering};
 
 /// Ids per chunk of the directory.
+#[cfg(not(loom))]
 const CHUNK_BITS: u32 = 12;
+/// Ids per chunk of the directory (few in the model, where every atomic is tracked).
+#[cfg(loom)]
+const CHUNK_BITS: u32 = 3;
 const CHUNK: usize = 1 << CHUNK_BITS;
 /// Chunks in the directory: 64 Mi runs in all.
+#[cfg(not(loom))]
 const DIR: usize = 1 << 14;
+/// Chunks in the directory (few in the model).
+#[cfg(loom)]
+const DIR: usize = 1 << 4;
 
 /// One chunk of run pointers, allocated on first use.
 type Chunk = [AtomicPtr<Run>; CHUNK];

@@ -6,6 +6,23 @@
 //! blocks in (cutoff, hidden blocks), the places it holds under more than one engine hash, and
 //! its blocks past the depth limit. The shared runs change only under their own locks, one at a
 //! time: a writer never holds two run locks except while linking a run no one else can reach.
+//!
+//! # What a lookup sees of a worker
+//!
+//! A lookup reads a worker's coverage words run after run down the query's path, each at a
+//! different instant. Each event is published so that whatever instants those are, the lookup
+//! finds the worker's depth in the state before the event or in the state after it, never a
+//! mix (the guarantee of [`crate::index`]):
+//!
+//! - an event first changes the writer's private state, then publishes (`sync`): cutoffs that
+//!   go down from the top of the tree down, then cutoffs that go up from the bottom up, so a
+//!   path's depth changes at one word: the highest run of the path the event lowers, or the
+//!   highest it raises (which makes the runs below it, written before, reachable at once);
+//! - a run is shown only where the worker holds its whole path (`Mine::reach`): blocks stored
+//!   under a block the worker no longer holds stay private until the hole is filled;
+//! - a run that loses `reach` keeps its published cutoff until every lookup that may have
+//!   reached it through the old path is over (a grace period of the epoch collector), then it
+//!   is withdrawn: a lookup that read the parent before the change reads the child as it was.
 
 use super::blockmap::BlockMap;
 use super::cover::{Cover, Dense};
@@ -16,18 +33,16 @@ use crate::hash::{BlockHash, StoredBlock, WorkerId};
 use crate::index::linear::LinearMap;
 use crate::index::{ApplyOutcome, Beyond, Saved, SavedBlock, SavedParent};
 use crate::seeded::SeededMap;
+use crate::sync::{Arc, AtomicBool, MutexGuard, Ordering};
 use crate::workers::Slot;
 use crossbeam_epoch::{self as epoch, Guard, Owned, Shared};
-use parking_lot::MutexGuard;
-use std::sync::atomic::Ordering;
+use smallvec::SmallVec;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
 
 /// How many blocks ahead a write prefetches the map slot of the block it will come to: a
 /// worker's map is too big to stay in cache between its events.
 const AHEAD: usize = 8;
-
-/// Workers holding a run before its coverage turns dense (and half as many to turn back), if
-/// they are a sixteenth of the fleet: a dense cover costs four bytes a slot of the fleet.
-const DENSE_AT: u32 = 32;
 
 /// A block's place: its run's id (high half) and its offset in the run (low half).
 type Place = u64;
@@ -61,6 +76,34 @@ pub struct RunWriter {
     beyond: Beyond,
     /// Places given up by a store (engine hashes stored again elsewhere), let go after it.
     moved: Vec<Place>,
+    /// Run -> the runs hanging under it where the worker has state: what a change of its
+    /// cutoff there shows or hides.
+    kids: SeededMap<RunId, SmallVec<[RunId; 2]>>,
+    /// Runs whose private state the event being applied changed: published at its end.
+    touched: Vec<RunId>,
+    /// Runs that lost `reach` with a cutoff still shown (`Mine::frozen`), to withdraw once
+    /// their grace period is over (stale entries are skipped).
+    frozen: Vec<RunId>,
+    /// Grace periods asked for, oldest first: the generation, and whether it is over (set by
+    /// the epoch collector once every lookup pinned before it asked has finished).
+    graces: VecDeque<(u32, Arc<AtomicBool>)>,
+    /// The last grace generation asked for.
+    gen: u32,
+    /// `sync`'s scratch, kept to reuse the allocations.
+    scratch: SyncScratch,
+}
+
+/// The working lists of one `sync`.
+#[derive(Default)]
+struct SyncScratch {
+    /// Runs to look at, top of the tree first: (start position, run).
+    todo: BinaryHeap<Reverse<(u32, RunId)>>,
+    /// Runs looked at.
+    seen: Vec<RunId>,
+    /// Runs whose shown cutoff goes down, top first.
+    lower: Vec<RunId>,
+    /// Runs whose shown cutoff goes up, top first (published in reverse).
+    raise: Vec<RunId>,
 }
 
 impl RunWriter {
@@ -74,6 +117,12 @@ impl RunWriter {
             aliases: LinearMap::default(),
             beyond: Beyond::default(),
             moved: Vec::new(),
+            kids: SeededMap::default(),
+            touched: Vec::new(),
+            frozen: Vec::new(),
+            graces: VecDeque::new(),
+            gen: 0,
+            scratch: SyncScratch::default(),
         }
     }
 
@@ -156,6 +205,17 @@ impl RunIndex {
         if blocks.is_empty() {
             return out;
         }
+        self.thaw(w);
+        let room = self.cfg.max_blocks_per_worker.saturating_sub(w.blocks.len() as u64);
+        let blocks = if blocks.len() as u64 > room {
+            out.over_limit = blocks.len() as u64 - room;
+            &blocks[..room as usize]
+        } else {
+            blocks
+        };
+        if blocks.is_empty() {
+            return out;
+        }
         let guard = epoch::pin();
         let start = match parent {
             None => (self.root(&guard), 0),
@@ -177,6 +237,7 @@ impl RunIndex {
         let mut d = Delta::default();
         self.walk_store(w, start, blocks, &mut out, &mut d, &guard);
         self.let_go_moved(w, &mut d, &guard);
+        self.sync(w, &mut d, &guard);
         self.commit(&d);
         out
     }
@@ -336,7 +397,7 @@ impl RunIndex {
         blocks: &[StoredBlock],
         out: &mut ApplyOutcome,
         d: &mut Delta,
-        guard: &Guard,
+        _guard: &Guard,
     ) -> Result<(), Dead> {
         if meta.dead {
             return Err(Dead);
@@ -385,18 +446,23 @@ impl RunIndex {
             }
         }
         d.hidden += i64::from(mine.hidden) - i64::from(mine0.hidden);
-        self.publish_cut(w.slot, run, &mut meta, mine0.cut, &mut mine, guard);
         if before.is_none() {
             meta.holders += 1;
+            if run.parent != ROOT {
+                w.kids.entry(run.parent).or_default().push(run.id);
+            }
         }
+        drop(meta);
         w.runs.insert(key, mine);
+        w.touched.push(run.id);
         Ok(())
     }
 
-    /// Writes the worker's cutoff in `run` (locked) going from `from` to `mine.cut`: joins the
-    /// coverage, changes its word, or leaves; changes the coverage's form or size when due.
-    fn publish_cut(&self, slot: Slot, run: &Run, meta: &mut Meta, from: u32, mine: &mut Mine, guard: &Guard) {
-        let to = mine.cut;
+    /// Writes the worker's cutoff in `run` (locked) going from `from` to `to`: joins the
+    /// coverage, changes its word (found from `hint`, which follows it), or leaves; changes the
+    /// coverage's form or size when due.
+    #[allow(clippy::too_many_arguments)]
+    fn publish_cut(&self, slot: Slot, run: &Run, meta: &mut Meta, from: u32, to: u32, hint: &mut u32, guard: &Guard) {
         if from == to {
             return;
         }
@@ -418,7 +484,7 @@ impl RunIndex {
                 } else {
                     d.set(slot, from, to);
                 }
-                if meta.covered < DENSE_AT / 2 {
+                if meta.covered < self.cfg.dense_at / 2 {
                     meta.vacated = 0;
                     // SAFETY: as above; just published.
                     let d = match unsafe { run.cover.load(Ordering::Relaxed, guard).deref() } {
@@ -430,7 +496,7 @@ impl RunIndex {
             }
             Cover::List(l) => {
                 if from == 0 {
-                    if meta.covered >= DENSE_AT && meta.covered as usize * 16 >= width {
+                    if meta.covered >= self.cfg.dense_at && meta.covered as usize * 16 >= width {
                         let len = run.hashes(guard).len() as u32;
                         let d = Dense::from_list(l, len, width.max(slot as usize + 1));
                         d.set(slot, 0, to);
@@ -438,21 +504,21 @@ impl RunIndex {
                         replace(Cover::Dense(d));
                     } else if let Some((i, reused)) = l.join(slot, to, meta.vacated > 0) {
                         meta.vacated -= u32::from(reused);
-                        mine.hint = i as u32;
+                        *hint = i as u32;
                     } else {
                         let grown = l.grown(l.capacity().max(2));
                         let (i, _) = grown.join(slot, to, false).unwrap_or((0, false));
-                        mine.hint = i as u32;
+                        *hint = i as u32;
                         meta.vacated = 0;
                         replace(Cover::List(grown));
                     }
                     return;
                 }
-                let Some(i) = l.find(slot, mine.hint as usize) else {
+                let Some(i) = l.find(slot, *hint as usize) else {
                     debug_assert!(false, "a worker with a cutoff has a coverage word");
                     return;
                 };
-                mine.hint = i as u32;
+                *hint = i as u32;
                 if to > 0 {
                     l.set(i, slot, to);
                     return;
@@ -485,6 +551,7 @@ impl RunIndex {
 
     pub(super) fn remove_blocks(&self, w: &mut RunWriter, hashes: &[BlockHash]) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
+        self.thaw(w);
         let guard = epoch::pin();
         let mut d = Delta::default();
         let mut batch = None;
@@ -504,6 +571,7 @@ impl RunIndex {
             }
         }
         self.flush(w, batch, &mut d, &guard);
+        self.sync(w, &mut d, &guard);
         self.commit(&d);
         // What dead runs left goes to the collector now, and the writer frees what is due, so
         // that lookups, which also collect now and then, rarely find a writer's garbage to free.
@@ -539,22 +607,175 @@ impl RunIndex {
         }
     }
 
-    /// Writes a batch of removals' coverage word; a run the worker no longer holds anything
-    /// in loses it as a holder, and dies if no one else holds it and no child hangs off it.
-    fn flush(&self, w: &mut RunWriter, batch: Option<Batch>, d: &mut Delta, guard: &Guard) {
-        let Some(Batch { run, before, mut now }) = batch else { return };
-        let r = self.held_run(run, guard);
-        let mut meta = r.meta.lock();
-        self.publish_cut(w.slot, r, &mut meta, before.cut, &mut now, guard);
-        if now.is_empty() {
-            w.runs.remove(u64::from(run));
-            meta.holders -= 1;
-            if meta.holders == 0 && meta.kids == 0 {
-                self.kill(r, meta, d, guard);
-            }
-        } else {
+    /// Keeps a batch of removals' new state of its run, for `sync` to publish.
+    fn flush(&self, w: &mut RunWriter, batch: Option<Batch>, _d: &mut Delta, _guard: &Guard) {
+        let Some(Batch { run, before, now }) = batch else { return };
+        if now != before {
             w.runs.insert(u64::from(run), now);
+            w.touched.push(run);
         }
+    }
+
+    /// Publishes the event just applied to the writer's private state (see the module doc):
+    /// works out which runs the worker now reaches, lowers the cutoffs that go down (top
+    /// first), raises those that go up (bottom first), keeps the cutoffs of runs that lost
+    /// `reach` for a grace period, and forgets the runs it no longer holds or shows.
+    fn sync(&self, w: &mut RunWriter, d: &mut Delta, guard: &Guard) {
+        if w.touched.is_empty() {
+            return;
+        }
+        let mut s = std::mem::take(&mut w.scratch);
+        for &id in &w.touched {
+            s.todo.push(Reverse((self.held_run(id, guard).start, id)));
+        }
+        w.touched.clear();
+        let gen = w.gen + 1;
+        let mut froze = false;
+        let mut last = None;
+        while let Some(Reverse((_, id))) = s.todo.pop() {
+            if last == Some(id) {
+                continue;
+            }
+            last = Some(id);
+            let run = self.held_run(id, guard);
+            let reach = run.parent == ROOT || w.runs.get(u64::from(run.parent)).is_some_and(|p| p.reach && p.cut >= run.attach);
+            let Some(m) = w.runs.get_mut(u64::from(id)) else { continue };
+            let was = m.reach;
+            m.reach = reach;
+            if reach {
+                m.frozen = 0;
+                if m.cut < m.shown {
+                    s.lower.push(id);
+                } else if m.cut > m.shown {
+                    s.raise.push(id);
+                }
+            } else if was && m.shown > 0 {
+                m.frozen = gen;
+                froze = true;
+                w.frozen.push(id);
+            }
+            debug_assert!(m.reach || m.shown == 0 || m.frozen != 0, "an unreachable run shows a cutoff only while frozen");
+            let (reach, cut) = (m.reach, m.cut);
+            s.seen.push(id);
+            if let Some(kids) = w.kids.get(&id) {
+                for &k in kids {
+                    let kr = self.held_run(k, guard);
+                    if w.runs.get(u64::from(k)).is_some_and(|km| km.reach != (reach && cut >= kr.attach)) {
+                        s.todo.push(Reverse((kr.start, k)));
+                    }
+                }
+            }
+        }
+        for &id in &s.lower {
+            self.show(w, id, guard);
+        }
+        for &id in s.raise.iter().rev() {
+            self.show(w, id, guard);
+        }
+        if froze {
+            w.gen = gen;
+            let over = Arc::new(AtomicBool::new(false));
+            let flag = over.clone();
+            // Every lookup pinned now may have read a lowered parent before it went down.
+            guard.defer(move || flag.store(true, Ordering::Release));
+            guard.flush();
+            w.graces.push_back((gen, over));
+        }
+        for &id in &s.seen {
+            if w.runs.get(u64::from(id)).is_some_and(Mine::is_empty) {
+                self.forget(w, id, d, guard);
+            }
+        }
+        s.seen.clear();
+        s.lower.clear();
+        s.raise.clear();
+        w.scratch = s;
+    }
+
+    /// Publishes the worker's cutoff in run `id`: `shown` becomes its target, `cut` where it
+    /// reaches the run, 0 where it does not.
+    fn show(&self, w: &mut RunWriter, id: RunId, guard: &Guard) {
+        let Some(m) = w.runs.get_mut(u64::from(id)) else { return };
+        let to = if m.reach { m.cut } else { 0 };
+        if m.shown == to {
+            return;
+        }
+        let run = self.held_run(id, guard);
+        let mut meta = run.meta.lock();
+        self.publish_cut(w.slot, run, &mut meta, m.shown, to, &mut m.hint, guard);
+        m.shown = to;
+    }
+
+    /// The worker holds and shows nothing in run `id` any more: its writer forgets the run, and
+    /// the run dies if no one else holds it and no child hangs off it.
+    fn forget(&self, w: &mut RunWriter, id: RunId, d: &mut Delta, guard: &Guard) {
+        w.runs.remove(u64::from(id));
+        w.hidden.remove(&id);
+        let run = self.held_run(id, guard);
+        if run.parent != ROOT {
+            if let Some(kids) = w.kids.get_mut(&run.parent) {
+                kids.retain(|k| *k != id);
+                if kids.is_empty() {
+                    w.kids.remove(&run.parent);
+                }
+            }
+        }
+        let mut meta = run.meta.lock();
+        meta.holders -= 1;
+        if meta.holders == 0 && meta.kids == 0 {
+            self.kill(run, meta, d, guard);
+        }
+    }
+
+    /// Withdraws the cutoffs frozen by events whose grace period is over; a writer calls it
+    /// before each event, so a worker's withdrawn runs go back no later than its next event.
+    pub(super) fn thaw(&self, w: &mut RunWriter) {
+        if w.frozen.is_empty() {
+            return;
+        }
+        // A grace period over means every earlier one is over too.
+        let Some(over) = w.graces.iter().filter(|(_, f)| f.load(Ordering::Acquire)).map(|(g, _)| *g).max() else { return };
+        w.graces.retain(|(g, _)| *g > over);
+        let guard = epoch::pin();
+        let mut d = Delta::default();
+        let mut frozen = std::mem::take(&mut w.frozen);
+        frozen.retain(|&id| {
+            let Some(m) = w.runs.get(u64::from(id)) else { return false };
+            if m.frozen == 0 {
+                return false;
+            }
+            if m.frozen > over {
+                return true;
+            }
+            debug_assert!(!m.reach);
+            if let Some(m) = w.runs.get_mut(u64::from(id)) {
+                m.frozen = 0;
+            }
+            self.show(w, id, &guard);
+            if w.runs.get(u64::from(id)).is_some_and(Mine::is_empty) {
+                self.forget(w, id, &mut d, &guard);
+            }
+            false
+        });
+        frozen.append(&mut w.frozen);
+        w.frozen = frozen;
+        self.commit(&d);
+    }
+
+    /// Waits until the last grace period asked for is over, then withdraws every frozen
+    /// cutoff: after it, the worker shows exactly what it holds. The caller holds no guard
+    /// (the wait needs this thread unpinned).
+    pub(super) fn settle_writer(&self, w: &mut RunWriter) {
+        if let Some((_, over)) = w.graces.back() {
+            let over = over.clone();
+            debug_assert!(!epoch::is_pinned(), "waiting for a grace period while pinned never ends");
+            while !over.load(Ordering::Acquire) {
+                epoch::pin().flush();
+                crate::sync::yield_now();
+            }
+        }
+        self.thaw(w);
+        debug_assert!(w.frozen.is_empty());
     }
 
     /// Unlinks `run` (locked, held by no one, no children) and retires it; its parent follows
@@ -588,29 +809,32 @@ impl RunIndex {
         }
     }
 
+    /// Drops every block: the worker's top runs go to 0 at once, the runs under them after a
+    /// grace period, which this waits for (a clear is rare: an engine restart, an expiry), so
+    /// that the worker shows nothing once it returns and its slot can be freed.
     pub(super) fn clear_worker(&self, w: &mut RunWriter) -> ApplyOutcome {
-        let guard = epoch::pin();
-        let mut d = Delta::default();
+        self.thaw(w);
         let removed = w.blocks.len() as u64;
-        d.placements -= removed as i64;
-        let runs: Vec<(u64, Mine)> = w.runs.iter().map(|(k, &m)| (k, m)).collect();
-        for (key, mine) in runs {
-            let r = self.held_run(key as RunId, &guard);
-            let mut meta = r.meta.lock();
-            let mut gone = Mine { cut: 0, hint: mine.hint, hidden: 0 };
-            d.hidden -= i64::from(mine.hidden);
-            self.publish_cut(w.slot, r, &mut meta, mine.cut, &mut gone, &guard);
-            meta.holders -= 1;
-            if meta.holders == 0 && meta.kids == 0 {
-                self.kill(r, meta, &mut d, &guard);
+        {
+            let guard = epoch::pin();
+            let mut d = Delta { placements: -(removed as i64), ..Delta::default() };
+            let ids: Vec<u64> = w.runs.iter().map(|(k, _)| k).collect();
+            for key in ids {
+                if let Some(m) = w.runs.get_mut(key) {
+                    d.hidden -= i64::from(m.hidden);
+                    (m.cut, m.hidden) = (0, 0);
+                    w.touched.push(key as RunId);
+                }
             }
+            w.blocks = BlockMap::default();
+            w.hidden = SeededMap::default();
+            w.aliases = LinearMap::default();
+            w.beyond.clear();
+            self.sync(w, &mut d, &guard);
+            self.commit(&d);
         }
-        w.blocks = BlockMap::default();
-        w.runs = LinearMap::default();
-        w.hidden = SeededMap::default();
-        w.aliases = LinearMap::default();
-        w.beyond.clear();
-        self.commit(&d);
+        self.settle_writer(w);
+        debug_assert!(w.runs.is_empty() && w.kids.is_empty());
         ApplyOutcome { removed, ..ApplyOutcome::default() }
     }
 
@@ -665,6 +889,7 @@ impl RunIndex {
 
     pub(super) fn restore_worker(&self, w: &mut RunWriter, saved: &Saved) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
+        self.thaw(w);
         let guard = epoch::pin();
         let mut d = Delta::default();
         for b in &saved.blocks {
@@ -706,6 +931,7 @@ impl RunIndex {
         }
         w.beyond.extend(&saved.beyond);
         self.let_go_moved(w, &mut d, &guard);
+        self.sync(w, &mut d, &guard);
         self.commit(&d);
         out
     }
