@@ -34,6 +34,7 @@ FROM debian:bookworm-slim
 RUN useradd --system --no-create-home --uid 10001 kvindex
 WORKDIR /usr/share/kvindex
 # The working directory holds what the defaults name: config/kvindex.toml and the demo's trace.
+COPY LICENSE LICENSE
 COPY config/kvindex.toml config/kvindex.toml
 COPY data/traces/conversation_trace.jsonl data/traces/LICENSE-APACHE data/traces/README.md data/traces/
 COPY --from=builder /build/target/release/kvindex /usr/local/bin/kvindex
