@@ -2,21 +2,31 @@
 # (rebuilt only when a manifest or Cargo.lock changes), then the workspace; the runtime image
 # holds the binary, its config, the demo trace and nothing else, and runs as a non-root user.
 
+# The skeleton of the workspace: every manifest, Cargo.lock, and an empty stand-in for each
+# target that `cargo metadata` lists (libraries, binaries, benches, tests, examples, build
+# scripts). It follows the manifests by itself, so a new target or crate never needs this file
+# changed. This stage reruns on any change; the dependency layer below is rebuilt only when
+# the skeleton itself changes.
+FROM rust:1.95-slim-bookworm AS planner
+WORKDIR /build
+COPY . .
+RUN mkdir /skeleton && cp Cargo.toml Cargo.lock /skeleton/ \
+ && cargo metadata --no-deps --format-version 1 --offline > /tmp/metadata.json \
+ && for m in $(grep -o '"manifest_path":"[^"]*"' /tmp/metadata.json | cut -d'"' -f4); do \
+      m=${m#/build/}; mkdir -p "/skeleton/$(dirname "$m")" && cp "$m" "/skeleton/$m"; done \
+ && for t in $(grep -o '"src_path":"[^"]*"' /tmp/metadata.json | cut -d'"' -f4); do \
+      t=${t#/build/}; mkdir -p "/skeleton/$(dirname "$t")" && printf '#![allow(dead_code)]\nfn main() {}\n' > "/skeleton/$t"; done
+
 FROM rust:1.95-slim-bookworm AS builder
 WORKDIR /build
-# Dependencies first: the manifests with empty sources, so this layer survives code changes.
-COPY Cargo.toml Cargo.lock ./
-COPY crates/kvindex-core/Cargo.toml crates/kvindex-core/
-COPY crates/kvindex-client/Cargo.toml crates/kvindex-client/
-RUN mkdir -p src crates/kvindex-core/src crates/kvindex-core/benches crates/kvindex-client/src crates/kvindex-client/benches \
- && echo 'fn main() {}' > src/main.rs && touch src/lib.rs crates/kvindex-core/src/lib.rs crates/kvindex-client/src/lib.rs \
- && touch crates/kvindex-core/benches/index.rs crates/kvindex-client/benches/decode.rs \
- && cargo build --release --locked --bin kvindex \
- && rm -rf src crates/*/src
-# Then the workspace itself.
-COPY src src
-COPY crates crates
-RUN touch src/main.rs src/lib.rs crates/kvindex-core/src/lib.rs crates/kvindex-client/src/lib.rs \
+# The binary is stripped below: debug info would only cost build time.
+ENV CARGO_PROFILE_RELEASE_DEBUG=0
+COPY --from=planner /skeleton/ ./
+RUN cargo build --release --locked --bin kvindex
+# Then the workspace itself; its sources are touched so that none of the skeleton's empty
+# stand-ins built above can pass for them.
+COPY . .
+RUN find . -path ./target -prune -o -name '*.rs' -exec touch {} + \
  && cargo build --release --locked --bin kvindex \
  && strip target/release/kvindex
 
@@ -24,6 +34,7 @@ FROM debian:bookworm-slim
 RUN useradd --system --no-create-home --uid 10001 kvindex
 WORKDIR /usr/share/kvindex
 # The working directory holds what the defaults name: config/kvindex.toml and the demo's trace.
+COPY LICENSE LICENSE
 COPY config/kvindex.toml config/kvindex.toml
 COPY data/traces/conversation_trace.jsonl data/traces/LICENSE-APACHE data/traces/README.md data/traces/
 COPY --from=builder /build/target/release/kvindex /usr/local/bin/kvindex

@@ -1,5 +1,5 @@
-//! The apply pool (DESIGN §2): a fixed set of threads that apply KV events to the index.
-//! Every event of a worker goes to the same thread (by hash of its identity), so a worker's
+//! The apply pool (docs/ARCHITECTURE.md): a fixed set of threads that apply KV events to the
+//! index. Every event of a worker goes to the same thread (by hash of its identity), so a worker's
 //! events apply in order and its writer (reverse map) is owned by that thread alone. Queues
 //! are bounded: a full queue blocks the sender (backpressure), nothing is dropped.
 //!

@@ -1,8 +1,9 @@
-//! Configuration, layered (DESIGN §4): built-in defaults < `config/kvindex.toml` (or
+//! Configuration, layered: built-in defaults < `config/kvindex.toml` (or
 //! `--config FILE`) < `KVINDEX_*` environment < command-line flags.
 
 use figment::providers::{Env, Format, Serialized, Toml};
-use figment::Figment;
+use figment::value::{Dict, Map};
+use figment::{Figment, Metadata, Profile, Provider};
 use kvindex_core::index::positional::PositionalConfig;
 use kvindex_core::index::Backend;
 use serde::{Deserialize, Serialize};
@@ -287,23 +288,101 @@ pub struct Overrides {
     pub backend: Option<Backend>,
 }
 
+/// A provider under a name of ours, so that `kvindex config` can tell the layers apart.
+struct Named<P> {
+    name: &'static str,
+    inner: P,
+}
+
+impl<P: Provider> Provider for Named<P> {
+    fn metadata(&self) -> Metadata {
+        let mut md = self.inner.metadata();
+        md.name = self.name.into();
+        md
+    }
+
+    fn data(&self) -> Result<Map<Profile, Dict>, figment::Error> {
+        self.inner.data()
+    }
+}
+
+/// One key of the effective configuration, for `kvindex config`.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Explained {
+    pub key: String,
+    /// The value; `null` when unset.
+    pub value: serde_json::Value,
+    /// Where it comes from: `default`, `file PATH`, `env KVINDEX_...` or `flag --...`.
+    pub source: String,
+}
+
+/// Keys whose values `kvindex config` does not print.
+const SECRETS: [&str; 3] = ["inspect_token", "nats_password", "nats_token"];
+
+/// `kvindex config`'s output: one TOML line per key, its source in a comment; secrets hidden.
+pub fn explain_table(values: &[Explained]) -> String {
+    let lines: Vec<(String, &str)> = values
+        .iter()
+        .map(|e| {
+            let line = match &e.value {
+                serde_json::Value::Null => format!("# {} (not set)", e.key),
+                _ if SECRETS.contains(&e.key.as_str()) => format!("{} = \"<hidden>\"", e.key),
+                v => format!("{} = {v}", e.key),
+            };
+            (line, e.source.as_str())
+        })
+        .collect();
+    let width = lines.iter().map(|(l, _)| l.len()).max().unwrap_or(0);
+    lines.iter().map(|(l, source)| format!("{l:width$}  # {source}\n")).collect()
+}
+
 impl Config {
     /// Loads the layers. `file` is `--config`; without it `config/kvindex.toml` is read if
     /// present. An error names the key and the reason.
     pub fn load(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<Config, String> {
-        let mut fig = Figment::from(Serialized::defaults(Config::default()));
+        Ok(Self::load_figment(file, env, overrides)?.0)
+    }
+
+    /// The effective configuration, key by key, with the layer each value comes from (what
+    /// `kvindex config` prints). Fails as [`Config::load`] does.
+    pub fn explain(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<Vec<Explained>, String> {
+        let (cfg, fig) = Self::load_figment(file, env, overrides)?;
+        let serde_json::Value::Object(values) = serde_json::to_value(&cfg).map_err(|e| e.to_string())? else {
+            return Err("the configuration is not a map".into());
+        };
+        Ok(values
+            .into_iter()
+            .map(|(key, value)| {
+                let source = match fig.find_metadata(&key) {
+                    None => "default".to_string(),
+                    Some(md) => match (&*md.name, &md.source) {
+                        ("default", _) => "default".to_string(),
+                        ("flag", _) => format!("flag --{}", key.replace('_', "-")),
+                        (_, Some(figment::Source::File(path))) => format!("file {}", path.display()),
+                        // The layer is `Config::env()`'s: `KVINDEX_` and the key upper-cased.
+                        ("environment", _) => format!("env KVINDEX_{}", key.to_ascii_uppercase()),
+                        (name, _) => name.to_string(),
+                    },
+                };
+                Explained { key, value, source }
+            })
+            .collect())
+    }
+
+    fn load_figment(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<(Config, Figment), String> {
+        let mut fig = Figment::from(Named { name: "default", inner: Serialized::defaults(Config::default()) });
         match file {
             Some(f) if !f.exists() => return Err(format!("config file {} does not exist", f.display())),
             Some(f) => fig = fig.merge(Toml::file(f)),
             None => fig = fig.merge(Toml::file("config/kvindex.toml")),
         }
-        let cfg: Config = fig
-            .merge(env)
-            .merge(Serialized::defaults(overrides))
-            .extract()
-            .map_err(|e| e.into_iter().map(|e| format!("configuration: {e}")).collect::<Vec<_>>().join("; "))?;
+        let fig = fig
+            .merge(Named { name: "environment", inner: env })
+            .merge(Named { name: "flag", inner: Serialized::defaults(overrides) });
+        let cfg: Config =
+            fig.extract().map_err(|e| e.into_iter().map(|e| format!("configuration: {e}")).collect::<Vec<_>>().join("; "))?;
         cfg.validate()?;
-        Ok(cfg)
+        Ok((cfg, fig))
     }
 
     /// The `KVINDEX_*` environment layer, restricted to the keys [`Config`] has. Other
@@ -519,6 +598,33 @@ mod tests {
             jail.create_file("typo.toml", "port = 9464\n")?;
             let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
             assert!(err.contains("port"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn explain_names_each_value_s_layer() {
+        Jail::expect_with(|jail| {
+            jail.create_file("k.toml", "worker_ttl = 7\njump = 9\nnats_password = \"hunter2\"\n")?;
+            jail.set_env("KVINDEX_JUMP", "11");
+            jail.set_env("KVINDEX_PREFIX", "from-env");
+            let over = Overrides { prefix: Some("from-flag".into()), ..Default::default() };
+            let all = Config::explain(Some(Path::new("k.toml")), Config::env(), &over).map_err(figment::Error::from)?;
+            let get = |key: &str| all.iter().find(|e| e.key == key).unwrap_or_else(|| panic!("{key} listed")).clone();
+            assert_eq!((get("prefix").value, get("prefix").source), (serde_json::json!("from-flag"), "flag --prefix".into()));
+            assert_eq!((get("jump").value, get("jump").source), (serde_json::json!(11), "env KVINDEX_JUMP".into()));
+            let ttl = get("worker_ttl");
+            assert!(ttl.value == 7 && ttl.source.starts_with("file ") && ttl.source.ends_with("/k.toml"), "{ttl:?}");
+            assert_eq!(get("nats_url").source, "default");
+            assert_eq!(get("nats_user").value, serde_json::Value::Null);
+            assert_eq!(all.len(), Config::keys().len(), "every key, once");
+            let table = explain_table(&all);
+            assert!(table.lines().any(|l| l.starts_with("prefix = \"from-flag\"") && l.ends_with("# flag --prefix")), "{table}");
+            assert!(table.contains("nats_password = \"<hidden>\"") && !table.contains("hunter2"), "{table}");
+            assert!(table.contains("# nats_user (not set)"), "{table}");
+            // An invalid value is an error, as for `serve`.
+            jail.set_env("KVINDEX_METRICS_ADDR", "localhost");
+            assert!(Config::explain(None, Config::env(), &Overrides::default()).unwrap_err().contains("metrics_addr"));
             Ok(())
         });
     }

@@ -28,7 +28,7 @@ struct Cli {
 enum Command {
     /// Run the daemon: ingest KV events from NATS, answer lookups, serve metrics.
     Serve(ServeArgs),
-    /// Beside an engine (vLLM, SGLang, TensorRT-LLM): its ZMQ KV events in, kvindex's protocol out.
+    /// Beside an engine (vLLM, SGLang; docs/BRIDGE.md): its ZMQ KV events in, kvindex's protocol out.
     Bridge(BridgeArgs),
     /// See it work: NATS, the daemon, mock engines and a KV-aware router on a real trace,
     /// with live figures and the hit rate against round-robin and random routing.
@@ -46,6 +46,9 @@ enum Command {
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
     /// healthcheck that needs no curl).
     Health(HealthArgs),
+    /// Print the configuration `serve` would run with (given the same flags), each value with
+    /// the layer it comes from: default, file, environment variable or flag.
+    Config(ServeArgs),
     /// What a running kvindex knows of each worker: blocks per tier, epoch, last heard, stale
     /// and why (its inspect API).
     Workers(WorkersArgs),
@@ -58,8 +61,8 @@ enum Command {
 /// Where the daemon's inspect API is.
 #[derive(Args)]
 struct InspectFlags {
-    /// The daemon's inspect_addr.
-    #[arg(long, default_value = "127.0.0.1:9466")]
+    /// The daemon's inspect_addr (the same variable as `serve`'s).
+    #[arg(long, env = "KVINDEX_INSPECT_ADDR", default_value = "127.0.0.1:9466")]
     addr: String,
     /// Its inspect_token, if it has one.
     #[arg(long, env = "KVINDEX_INSPECT_TOKEN", hide_env_values = true)]
@@ -187,8 +190,8 @@ struct BridgeBenchArgs {
 
 #[derive(Args)]
 struct HealthArgs {
-    /// The daemon's metrics_addr.
-    #[arg(long, default_value = "127.0.0.1:9464")]
+    /// The daemon's metrics_addr (the same variable as `serve`'s; 0.0.0.0 reaches this host).
+    #[arg(long, env = "KVINDEX_METRICS_ADDR", default_value = "127.0.0.1:9464")]
     addr: String,
     /// /readyz (ready: in the lookup group) or /healthz (alive).
     #[arg(long, default_value = "/readyz")]
@@ -476,6 +479,7 @@ fn main() -> Result<()> {
         Command::Dump(a) => dump_cmd(a),
         Command::Shards(a) => shards_cmd(a),
         Command::Health(a) => health_cmd(a),
+        Command::Config(a) => config_cmd(a),
         Command::Bridge(a) => bridge_cmd(a),
         Command::BridgeBench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
@@ -631,17 +635,29 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
     Ok(())
 }
 
+impl ServeArgs {
+    /// The flags layer of the configuration.
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            nats_url: self.common.nats_url.clone(),
+            prefix: self.common.prefix.clone(),
+            metrics_addr: self.metrics_addr.clone(),
+            inspect_addr: self.inspect_addr.clone(),
+            apply_threads: self.apply_threads,
+            worker_ttl: self.worker_ttl,
+            backend: self.backend,
+        }
+    }
+}
+
+fn config_cmd(a: ServeArgs) -> Result<()> {
+    let values = Config::explain(a.common.config.as_deref(), Config::env(), &a.overrides()).map_err(anyhow::Error::msg)?;
+    print!("{}", kvindex::config::explain_table(&values));
+    Ok(())
+}
+
 fn serve_cmd(a: ServeArgs) -> Result<()> {
-    let overrides = Overrides {
-        nats_url: a.common.nats_url,
-        prefix: a.common.prefix,
-        metrics_addr: a.metrics_addr,
-        inspect_addr: a.inspect_addr,
-        apply_threads: a.apply_threads,
-        worker_ttl: a.worker_ttl,
-        backend: a.backend,
-    };
-    let cfg = Config::load(a.common.config.as_deref(), Config::env(), &overrides).map_err(anyhow::Error::msg)?;
+    let cfg = Config::load(a.common.config.as_deref(), Config::env(), &a.overrides()).map_err(anyhow::Error::msg)?;
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().thread_name("kvindex").build()?;
     rt.block_on(kvindex::service::serve(cfg, shutdown_signal()))
 }

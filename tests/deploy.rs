@@ -1,8 +1,10 @@
-//! What a deployment uses, kept honest: every kvindex command line of docker-compose.yml and the
-//! Dockerfile parses with the CLI; every metric the dashboards and alerts name is exported;
-//! promtool accepts the Prometheus config and the alert rules and passes their unit tests; and
-//! a real Prometheus, scraping a daemon fed by a mock engine and a router, evaluates every
-//! panel's query without error and with data.
+//! What a deployment uses, kept honest: every kvindex command line of docker-compose.yml, the
+//! Dockerfile and the Kubernetes manifests (deploy/kubernetes) parses with the CLI; every metric
+//! the dashboards and alerts name is exported; promtool accepts the Prometheus config and the
+//! alert rules and passes their unit tests; and a real Prometheus, scraping a daemon fed by a
+//! mock engine and a router, evaluates every panel's query without error and with data. The
+//! image and the stack themselves are built and run by scripts/test-deploy, the manifests
+//! rendered and validated by scripts/check-kubernetes.
 
 mod support;
 
@@ -103,6 +105,67 @@ fn every_kvindex_command_line_of_the_deployment_parses() {
     // And a typo would be caught.
     let out = Command::new(env!("CARGO_BIN_EXE_kvindex")).args(["serve", "--nats-ulr", "x", "--check-args"]).output().unwrap();
     assert!(!out.status.success());
+}
+
+/// The `args:` flow lists of the containers that run the kvindex image in the Kubernetes
+/// manifests under `dir`, with the file each comes from.
+fn kubernetes_kvindex_args(dir: &Path) -> Vec<(String, Vec<String>)> {
+    let mut out = Vec::new();
+    let mut files: Vec<PathBuf> = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for entry in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("reading {}: {e}", d.display())) {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "yaml") {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    for file in files {
+        let text = std::fs::read_to_string(&file).unwrap();
+        let mut in_kvindex = false;
+        for line in text.lines() {
+            let l = line.trim_start().trim_start_matches("- ").trim();
+            if let Some(image) = l.strip_prefix("image:") {
+                let image = image.trim();
+                in_kvindex = image == "kvindex" || image.starts_with("kvindex:");
+            } else if let Some(args) = l.strip_prefix("args:").filter(|_| in_kvindex) {
+                let args: Vec<String> = serde_json::from_str(args.trim())
+                    .unwrap_or_else(|e| panic!("{}: kvindex's args are not a flow list: {e}", file.display()));
+                out.push((file.strip_prefix(dir).unwrap().display().to_string(), args));
+                in_kvindex = false;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn every_kvindex_command_line_of_the_kubernetes_manifests_parses() {
+    let lines = kubernetes_kvindex_args(&repo("deploy/kubernetes"));
+    let found: Vec<(&str, &str)> = lines.iter().map(|(f, a)| (f.as_str(), a[0].as_str())).collect();
+    assert_eq!(
+        found,
+        [("base/deployment.yaml", "serve"), ("engine-example/statefulset.yaml", "bridge")],
+        "kvindex containers of deploy/kubernetes"
+    );
+    for (file, args) in &lines {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvindex")).args(args).arg("--check-args").output().expect("runs kvindex");
+        assert!(
+            out.status.success(),
+            "{file}: `kvindex {}` does not parse: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    // The sidecar's worker id comes from the environment the manifest sets, under the name
+    // the bridge reads.
+    let sts = read("deploy/kubernetes/engine-example/statefulset.yaml");
+    assert!(sts.contains("- name: KVINDEX_BRIDGE_WORKER_ID"), "the bridge's worker id is set by KVINDEX_BRIDGE_WORKER_ID");
+    assert!(sts.contains("fieldPath: metadata.labels['apps.kubernetes.io/pod-index']"), "from the StatefulSet ordinal");
 }
 
 /// Every `kvindex_*` metric name in `text`, histogram series reduced to the histogram.

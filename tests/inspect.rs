@@ -209,3 +209,76 @@ async fn the_commands_print_what_the_api_says() {
     assert!(!ok && err.contains("cannot reach the inspect API"), "{err}");
     d.stop().await.unwrap();
 }
+
+/// Runs the kvindex binary with `args` and the environment `env`; (success, stdout, stderr).
+fn kvindex(args: &[&str], env: &[(&str, &str)]) -> (bool, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kvindex"));
+    cmd.args(args).env_remove("KVINDEX_INSPECT_ADDR").env_remove("KVINDEX_METRICS_ADDR");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("kvindex runs");
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_commands_find_the_daemon_by_the_variables_serve_reads() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    publish(&c, 9, vec![stored(0, None, 900, &[1, 2, 3])]).await;
+    let (inspect, metrics) = (d.cfg.inspect_addr.clone(), d.cfg.metrics_addr.clone());
+    let nowhere = format!("127.0.0.1:{}", support::free_port());
+    let listed = eventually(10, || {
+        let inspect = inspect.clone();
+        async move {
+            let (ok, out, _) = blocking(move || kvindex(&["workers"], &[("KVINDEX_INSPECT_ADDR", &inspect)])).await;
+            (ok && out.lines().any(|l| l.split_whitespace().take(3).eq(["9", "0", "3"]))).then_some(())
+        }
+    })
+    .await;
+    assert!(listed.is_some(), "`kvindex workers` reads KVINDEX_INSPECT_ADDR");
+    let (n, m) = (nowhere.clone(), metrics.clone());
+    let results = blocking(move || {
+        [
+            kvindex(&["health"], &[("KVINDEX_METRICS_ADDR", &m)]),
+            kvindex(&["health", "--path", "/healthz"], &[("KVINDEX_METRICS_ADDR", &m)]),
+            kvindex(&["health"], &[("KVINDEX_METRICS_ADDR", &n)]),
+            // A flag wins over the variable.
+            kvindex(&["health", "--addr", &m], &[("KVINDEX_METRICS_ADDR", &n)]),
+            kvindex(&["workers", "--addr", &n], &[("KVINDEX_INSPECT_ADDR", &m)]),
+        ]
+    })
+    .await;
+    assert!(results[0].0, "health reads KVINDEX_METRICS_ADDR: {}", results[0].2);
+    assert!(results[1].0, "{}", results[1].2);
+    assert!(!results[2].0 && results[2].2.contains(&nowhere), "health asks the variable's address: {}", results[2].2);
+    assert!(results[3].0, "--addr wins over KVINDEX_METRICS_ADDR: {}", results[3].2);
+    assert!(!results[4].0, "--addr wins over KVINDEX_INSPECT_ADDR");
+    d.stop().await.unwrap();
+}
+
+#[test]
+fn config_prints_each_value_with_its_layer() {
+    let dir = std::env::temp_dir().join(format!("kvindex-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("k.toml");
+    std::fs::write(&file, "worker_ttl = 7\n").unwrap();
+    let (ok, out, err) = kvindex(
+        &["config", "--config", file.to_str().unwrap(), "--prefix", "flagged"],
+        &[("KVINDEX_APPLY_THREADS", "3"), ("KVINDEX_NATS_TOKEN", "s3cret")],
+    );
+    assert!(ok, "{err}");
+    let line = |key: &str| {
+        out.lines().find(|l| l.starts_with(&format!("{key} = "))).unwrap_or_else(|| panic!("no {key} in\n{out}")).to_string()
+    };
+    assert!(line("prefix").contains("\"flagged\"") && line("prefix").ends_with("# flag --prefix"), "{out}");
+    assert!(line("apply_threads").ends_with("# env KVINDEX_APPLY_THREADS"), "{out}");
+    assert!(line("worker_ttl").contains("= 7") && line("worker_ttl").ends_with(&format!("# file {}", file.display())), "{out}");
+    assert!(line("nats_url").ends_with("# default"), "{out}");
+    assert!(line("nats_token").contains("<hidden>") && !out.contains("s3cret"), "{out}");
+    // A bad value fails as `serve` would, naming the key.
+    let (ok, _, err) = kvindex(&["config", "--config", file.to_str().unwrap()], &[("KVINDEX_METRICS_ADDR", "nowhere")]);
+    assert!(!ok && err.contains("metrics_addr"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

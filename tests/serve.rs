@@ -1,4 +1,4 @@
-//! `kvindex serve` against a real NATS server: every rule of the protocol (DESIGN §3), bad
+//! `kvindex serve` against a real NATS server: every rule of the protocol (docs/PROTOCOL.md), bad
 //! input, metrics and health, shutdown.
 
 mod support;

@@ -5,7 +5,7 @@
 //!   event id, when it was last heard from, whether it is stale and why, and its apply
 //!   thread's queue; then the workers dropped lately for silence. Paged (`offset`, `limit`).
 //! - `GET /v1/workers/{worker_id}/{dp_rank}/blocks`: that worker's blocks as a replay stream
-//!   (`shared/STREAM.md`), parents first, then the blocks it holds past a hole. Paged.
+//!   (docs/STREAM.md), parents first, then the blocks it holds past a hole. Paged.
 //! - `POST /v1/lookup`: a lookup request as JSON (the fields of `LookupRequest`), answered as
 //!   over NATS.
 //!

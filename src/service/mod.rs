@@ -1,5 +1,5 @@
-//! `kvindex serve`: the NATS service (DESIGN §3). Ingests publishers' event batches into the
-//! apply pool, tracks each worker's event sequence, answers routers' lookups, asks publishers
+//! `kvindex serve`: the NATS service (docs/PROTOCOL.md). Ingests publishers' event batches
+//! into the apply pool, tracks each worker's event sequence, answers routers' lookups, asks publishers
 //! to resync, drops silent workers, and serves metrics and health over HTTP.
 //!
 //! - this file: start-up, the shared state, the event loop, shutdown;

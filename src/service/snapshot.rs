@@ -1,5 +1,5 @@
-//! JetStream mode's index snapshots (DESIGN §3, OPERATIONS "Durable mode"). One replica at a
-//! time, the holder of a lease in the KV bucket `{stream}_LEASE`, writes the whole index with
+//! JetStream mode's index snapshots (docs/OPERATIONS.md, "Durable mode (JetStream)"). One
+//! replica at a time, the holder of a lease in the KV bucket `{stream}_LEASE`, writes the whole index with
 //! every worker's sequence and the stream sequence they reflect to the object store
 //! `{stream}_SNAPSHOTS`. A starting replica loads the newest snapshot and replays only the
 //! stream after it; if the stream no longer holds that, it replays what the stream holds and

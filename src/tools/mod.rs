@@ -3,7 +3,7 @@
 //!
 //! - [`trace`]: Mooncake trace reader and the mock engine (LRU prefix caches) that turns a
 //!   trace into events.
-//! - [`stream`]: the JSONL replay stream format (`shared/STREAM.md`), converted to and from
+//! - [`stream`]: the JSONL replay stream format (docs/STREAM.md), converted to and from
 //!   the domain event at this edge.
 //! - [`flood`]: a hash-flooding workload (keys built to collide without a seed) and its control.
 //! - [`bench`]: `kvindex bench`, the trace-replay benchmark of the index backends.

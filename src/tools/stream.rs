@@ -1,4 +1,4 @@
-//! The JSONL replay stream (`../shared/STREAM.md`): one index operation per line, so that
+//! The JSONL replay stream (docs/STREAM.md): one index operation per line, so that
 //! any two indexers can be fed exactly the same work.
 
 use anyhow::{Context, Result};

@@ -1,4 +1,4 @@
-//! Mooncake traces and the mock engine (`../shared/STREAM.md`) that turns a trace into the
+//! Mooncake traces and the mock engine (docs/STREAM.md) that turns a trace into the
 //! event and lookup stream of a fleet of workers with bounded LRU prefix caches.
 
 use crate::tools::stream::StreamOp;
@@ -145,7 +145,7 @@ impl PrefixCache {
     /// `clock`, as engines free them, so that without holes parents always outlive children.
     /// At most `capacity` blocks stay, except that a request longer than that is stored whole
     /// and the cache keeps that size from then on: the rule every benchmark stream so far was
-    /// made with (BENCHMARKS.md, "Holes, measured again").
+    /// made with (docs/STREAM.md).
     pub fn serve(&mut self, engine: &[u64], capacity: usize, clock: &mut u64, mut holes: Option<Holes<'_>>) -> Served {
         let hit = self.hits(engine);
         // Past a hole, blocks of the request may still be cached: they take no new room.
