@@ -246,6 +246,11 @@ pub struct RoutedOnly {
 }
 
 impl RoutedOnly {
+    /// No worker is routed-only.
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.workers.is_empty()
+    }
+
     /// Whether `worker_id` is routed-only.
     pub fn contains(&self, worker_id: u64) -> bool {
         self.all || (!self.workers.is_empty() && self.workers.contains(&worker_id))

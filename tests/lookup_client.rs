@@ -124,3 +124,47 @@ async fn a_publisher_that_says_it_misses_blocks_is_answered_stale_until_it_does_
     assert!(eventually(10, || answer(false)).await.is_some(), "whole once it says so");
     d.stop().await.unwrap();
 }
+
+/// A fleet sharing a system prompt: every worker's depth comes back, one group per distinct
+/// depth on the wire (`grouped`, what `LookupClient` asks for), and the same answer to a v1
+/// request one entry per worker; a cut answer keeps the deepest and rotates among those tied at
+/// the cut instead of always keeping the lowest ids.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_depth_comes_back_grouped_and_a_cut_rotates_among_the_tied() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |cfg| cfg.lookup_threads = 1).await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let tokens: Vec<u32> = (0..8 * BLOCK).collect();
+    let mut engines = Vec::new();
+    for w in 1..=40 {
+        engines.push(engine(&client, w, 0, &tokens, 2, None).await);
+    }
+    engines.push(engine(&client, 99, 0, &tokens, 7, None).await);
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(5));
+    let q = Query::tokens(&tokens, BLOCK);
+    let all = eventually(10, || async { lookups.lookup(&q).await.ok().filter(|a| a.matches.len() == 41) }).await;
+    let all = all.expect("every worker's depth, not the 64 or fewer deepest");
+    let shape: Vec<(u32, usize)> = all.groups.iter().map(|g| (g.blocks, g.workers.len())).collect();
+    assert_eq!(shape, vec![(7, 1), (2, 40)], "one group per depth");
+    assert_eq!((all.matches[0].worker_id, all.matches[0].blocks), (99, 7));
+
+    let mut v1 = q.clone();
+    v1.request.grouped = false;
+    let flat = lookups.lookup(&v1).await.unwrap();
+    assert!(flat.groups.is_empty(), "a v1 request gets one entry per worker");
+    let mut want = all.matches.clone();
+    want[1..].sort_by_key(|m| m.worker_id);
+    assert_eq!(flat.matches, want, "deepest first, ties by worker id");
+
+    // Three kept per lookup, the deepest first; on one lookup thread, twenty lookups go round
+    // the forty tied workers.
+    let mut kept = std::collections::BTreeSet::new();
+    for _ in 0..20 {
+        let cut = lookups.lookup(&q.clone().max_matches(3)).await.unwrap().matches;
+        assert_eq!(cut.len(), 3);
+        assert_eq!(cut[0].worker_id, 99, "the deepest is never cut");
+        kept.extend(cut[1..].iter().map(|m| m.worker_id));
+    }
+    assert_eq!(kept.len(), 40, "the tied workers are kept in turn, not the lowest ids every time: {kept:?}");
+    d.stop().await.unwrap();
+}

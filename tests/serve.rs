@@ -39,7 +39,7 @@ fn by_hashes(locals: &[u64]) -> LookupRequest {
 
 /// An answer of these matches and no stale worker without a match.
 fn answer(matches: Vec<MatchEntry>) -> LookupResponse {
-    LookupResponse::Matches { matches, stale_workers: vec![] }
+    LookupResponse::Matches { matches, groups: vec![], stale_workers: vec![] }
 }
 
 fn entry(worker_id: u64, blocks: u32, stale: bool) -> MatchEntry {

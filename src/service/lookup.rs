@@ -5,9 +5,11 @@ use super::State;
 use crate::apply::ApplyPool;
 use async_nats::Client;
 use futures::StreamExt;
-use kvindex_client::protocol::{LookupRequest, LookupResponse, MatchEntry, TierDepths, WorkerRef};
+use kvindex_client::protocol::{
+    group_entries, LookupRequest, LookupResponse, MatchEntry, MatchGroup, TierDepths, WorkerPair, WorkerRef,
+};
 use kvindex_core::groups::Groups;
-use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::index::{rotation, DepthGroups, KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::seeded::SeededMap;
 use kvindex_core::tiers::{find_tiered, TieredMatch};
 use kvindex_core::{LocalHash, Tier, WorkerId};
@@ -16,11 +18,9 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Matches in an answer unless the request says otherwise: deepest first, so a router that
-/// picks among the best never misses one.
-const DEFAULT_MAX_MATCHES: usize = 64;
 /// Upper bound of one encoded match (with both tiers' depths, a prediction and the
-/// approximate flag) or stale worker, and of the answer's envelope (bytes).
+/// approximate flag) or stale worker, and of the answer's envelope (bytes). A group of a
+/// grouped answer costs one entry and each of its workers an eighth of one (16 bytes).
 const ENTRY_BYTES: usize = 128;
 
 /// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
@@ -141,8 +141,9 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, pool: &ApplyPool<I>,
 }
 
 /// The answer to a request (or the reason it could not be read), with whether it is one:
-/// what NATS lookups and the inspect API's `POST /v1/lookup` both reply. At most
-/// `max_matches` matches and, with the stale workers, `room` entries.
+/// what NATS lookups and the inspect API's `POST /v1/lookup` both reply. Every match unless
+/// the request asks for fewer (`max_matches`), deepest first, and with the stale workers never
+/// more than one NATS message holds (`room` entries).
 pub(super) fn respond<I: KvIndex>(
     state: &State,
     pool: &ApplyPool<I>,
@@ -154,14 +155,10 @@ pub(super) fn respond<I: KvIndex>(
             // A worker's snapshot cleared between reading its blocks and reading its flag
             // would answer its partial state unflagged: a clear moves the generation, so
             // answer again (each clear is one snapshot's end, so this ends at once).
-            let limit = req.max_matches.map_or(DEFAULT_MAX_MATCHES, |m| m as usize).min(room);
             let query = req.local_hashes(state.cfg.max_depth as usize);
-            let mut opts =
-                MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize), max_matches: None };
-            if tiers == [Tier::Device] {
-                opts.max_matches = Some(limit);
-            }
-            let ask = Ask { query: &query, opts: &opts, tiers: &tiers, limit, room };
+            let opts = MatchOptions { workers: req.workers, max_blocks: req.max_blocks.map(|m| m as usize), max_matches: None };
+            let limit = req.max_matches.map(|m| m as usize);
+            let ask = Ask { query: &query, opts: &opts, tiers: &tiers, limit, room, grouped: req.grouped };
             let mut generation = state.stale_generation.load(Ordering::SeqCst);
             for _ in 0..RACED_CLEARS {
                 let answer = matches(state, pool, &ask);
@@ -187,31 +184,68 @@ const RACED_CLEARS: usize = 3;
 struct Ask<'a> {
     /// The request's hashes, within `max_depth`.
     query: &'a [LocalHash],
-    /// Its worker filter and limits, as the index takes them.
+    /// Its worker filter and limits, as the index takes them (every match).
     opts: &'a MatchOptions,
     /// The tiers it asked for.
     tiers: &'a [Tier],
-    /// The most matches it answers.
-    limit: usize,
+    /// The most matches it asked for (`None`: every match).
+    limit: Option<usize>,
     /// Entries that fit in the reply (matches and stale workers together).
     room: usize,
+    /// Whether it asked for the grouped form.
+    grouped: bool,
+}
+
+thread_local! {
+    /// A lookup thread's grouped answer from the index, reused.
+    static GROUPED: std::cell::RefCell<DepthGroups> = std::cell::RefCell::new(DepthGroups::default());
 }
 
 /// The matches for a lookup and the stale workers beside them.
 fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupResponse {
-    let Ask { query, opts, tiers, limit, room } = *ask;
+    let Ask { query, opts, tiers, limit, room, grouped } = *ask;
     let index = &**pool.index();
-    let groups = pool.groups().filter(|g| g.any());
+    let hybrid = pool.groups().filter(|g| g.any());
+    let predicting = pool.predicted().is_some() && pool.predicted_blocks() > 0;
+    let plain =
+        tiers == [Tier::Device] && hybrid.is_none() && !predicting && state.stale.is_empty() && state.routed_only.is_empty();
+    let (groups, found) = if plain {
+        // The common answer: the index's own groups, cut by the index (ties in rotation).
+        let cut = MatchOptions { max_matches: limit, ..opts.clone() };
+        let groups = GROUPED.with(|g| {
+            let mut g = g.borrow_mut();
+            index.find_grouped(query, &cut, &mut g);
+            g.iter()
+                .map(|(blocks, ws)| MatchGroup {
+                    workers: ws.iter().map(|w| WorkerPair(w.worker_id, w.dp_rank)).collect(),
+                    blocks,
+                    ..MatchGroup::default()
+                })
+                .collect::<Vec<_>>()
+        });
+        (groups, Vec::new())
+    } else {
+        let found = every_match(pool, ask, hybrid.map(|g| &**g));
+        let entries = entries(state, pool, query, opts, tiers, found, limit);
+        (group_entries(entries.iter().cloned()), entries)
+    };
+    let (groups, used) = fit(groups, room);
+    let matches = if grouped { Vec::new() } else { flat(&groups) };
+    let listed: HashSet<WorkerId> = if state.stale.is_empty() {
+        HashSet::new()
+    } else {
+        found.iter().map(|e| WorkerId::new(e.worker_id, e.dp_rank)).collect()
+    };
+    let stale_workers = stale_without_match(state, &listed, opts.workers.as_deref(), room.saturating_sub(used));
+    LookupResponse::Matches { matches, groups: if grouped { groups } else { Vec::new() }, stale_workers }
+}
+
+/// Every match in every asked tier, hybrid workers lowered to what all their groups serve,
+/// deepest first.
+fn every_match<I: KvIndex>(pool: &ApplyPool<I>, ask: &Ask, hybrid: Option<&Groups<I>>) -> Vec<TieredMatch> {
+    let Ask { query, opts, tiers, .. } = *ask;
+    let index = &**pool.index();
     let mut found: Vec<TieredMatch> = if tiers == [Tier::Device] {
-        // Hybrid workers' depths may come out lower: select the deepest after that.
-        let all;
-        let opts = match groups {
-            Some(_) => {
-                all = MatchOptions { max_matches: None, ..opts.clone() };
-                &all
-            }
-            None => opts,
-        };
         let device = index.find_matches(query, opts);
         device.into_iter().map(|m| TieredMatch { worker: m.worker, device: m.blocks, ..TieredMatch::default() }).collect()
     } else {
@@ -220,13 +254,38 @@ fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupR
             None => Vec::new(),
         }
     };
-    if let Some(groups) = groups {
+    if let Some(groups) = hybrid {
         limit_to_groups(groups, query, &mut found);
     }
+    found
+}
+
+/// The answer's entries, deepest first: predictions beside held depths, flags, and the cut to
+/// `limit` (workers tied at the cut kept in rotation). Entries with the same answer are next
+/// to each other, so that they group.
+fn entries<I: KvIndex>(
+    state: &State,
+    pool: &ApplyPool<I>,
+    query: &[LocalHash],
+    opts: &MatchOptions,
+    tiers: &[Tier],
+    mut found: Vec<TieredMatch>,
+    limit: Option<usize>,
+) -> Vec<MatchEntry> {
     let predicted = predictions(pool, query, opts, &mut found);
-    found.truncate(limit);
+    if let Some(k) = limit.filter(|&k| k < found.len()) {
+        let key = |m: &TieredMatch| (m.deepest(), m.device);
+        let at = key(&found[k]);
+        let from = found.partition_point(|m| key(m) > at);
+        if from < k {
+            let to = found.partition_point(|m| key(m) >= at);
+            let start = rotation(to - from, k - from);
+            found[from..to].rotate_left(start);
+        }
+        found.truncate(k);
+    }
     let asked = |t: Tier, depth: u32| tiers.contains(&t).then_some(depth);
-    let matches: Vec<MatchEntry> = found
+    let mut out: Vec<MatchEntry> = found
         .iter()
         .map(|m| MatchEntry {
             worker_id: m.worker.worker_id,
@@ -238,8 +297,43 @@ fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupR
             approximate: state.routed_only.contains(m.worker.worker_id),
         })
         .collect();
-    let stale_workers = stale_without_match(state, &found, opts.workers.as_deref(), room - matches.len());
-    LookupResponse::Matches { matches, stale_workers }
+    // Deepest first stays; within one depth, the same answers side by side.
+    out.sort_by_key(|e| {
+        let deepest = e.blocks.max(e.tiers.host.unwrap_or(0)).max(e.tiers.disk.unwrap_or(0));
+        let deepest = deepest.max(e.predicted_blocks.unwrap_or(0));
+        (std::cmp::Reverse(deepest), e.stale, e.approximate, std::cmp::Reverse(e.blocks), e.tiers.host, e.tiers.disk)
+    });
+    out
+}
+
+/// One entry per worker, deepest first, ties by worker (the order a v1 answer promises).
+fn flat(groups: &[MatchGroup]) -> Vec<MatchEntry> {
+    let mut out = Vec::with_capacity(groups.iter().map(|g| g.workers.len()).sum());
+    for g in groups {
+        let from = out.len();
+        out.extend(g.entries());
+        out[from..].sort_unstable_by_key(|e: &MatchEntry| (e.worker_id, e.dp_rank));
+    }
+    out
+}
+
+/// The groups that fit in `room` entries (a group one entry, each of its workers an eighth),
+/// deepest first, the last one cut if need be; and the entries they take.
+fn fit(mut groups: Vec<MatchGroup>, room: usize) -> (Vec<MatchGroup>, usize) {
+    let mut used = 0;
+    for (i, g) in groups.iter_mut().enumerate() {
+        let cost = 1 + g.workers.len().div_ceil(8);
+        if used + cost > room {
+            let left = room.saturating_sub(used + 1) * 8;
+            g.workers.truncate(left);
+            let keep = i + usize::from(!g.workers.is_empty());
+            used += usize::from(!g.workers.is_empty()) + g.workers.len().div_ceil(8);
+            groups.truncate(keep);
+            return (groups, used);
+        }
+        used += cost;
+    }
+    (groups, used)
 }
 
 /// Lowers each hybrid worker's device depth to what all its KV-cache groups can serve, drops
@@ -290,11 +384,10 @@ fn check(state: &State, req: LookupRequest) -> Result<(LookupRequest, Vec<Tier>)
 
 /// Stale workers (within the request's worker filter) that are not among the matches, at
 /// most `room`.
-fn stale_without_match(state: &State, found: &[TieredMatch], filter: Option<&[u64]>, room: usize) -> Vec<WorkerRef> {
+fn stale_without_match(state: &State, matched: &HashSet<WorkerId>, filter: Option<&[u64]>, room: usize) -> Vec<WorkerRef> {
     if state.stale.is_empty() || room == 0 {
         return Vec::new();
     }
-    let matched: HashSet<_> = found.iter().map(|m| m.worker).collect();
     let allowed: Option<HashSet<u64>> = filter.map(|f| f.iter().copied().collect());
     let mut out: Vec<WorkerRef> = state
         .stale
@@ -329,8 +422,11 @@ mod tests {
             };
             let stale = WorkerRef { worker_id: u64::MAX, dp_rank: u32::MAX };
             for split in [0, n / 2, n] {
-                let answer =
-                    LookupResponse::Matches { matches: vec![widest.clone(); split], stale_workers: vec![stale; n - split] };
+                let answer = LookupResponse::Matches {
+                    matches: vec![widest.clone(); split],
+                    groups: vec![],
+                    stale_workers: vec![stale; n - split],
+                };
                 assert!(answer.encode().len() <= max_payload, "{split} of {n} entries overflow {max_payload}");
             }
         }

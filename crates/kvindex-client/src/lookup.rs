@@ -16,7 +16,7 @@
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, Routed, WorkerRef};
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, Routed, WorkerRef};
 use async_nats::{Client, RequestErrorKind, Subject};
 use kvindex_core::LocalHash;
 use std::time::Duration;
@@ -32,13 +32,17 @@ impl Query {
     /// A request's token ids, cut into blocks of `block_size` (a partial last block is not
     /// matched), hashed by kvindex with the same function the publishers use.
     pub fn tokens(tokens: &[u32], block_size: u32) -> Query {
-        Query { request: LookupRequest { tokens: Some(tokens.to_vec()), block_size: Some(block_size), ..Default::default() } }
+        let request =
+            LookupRequest { tokens: Some(tokens.to_vec()), block_size: Some(block_size), grouped: true, ..Default::default() };
+        Query { request }
     }
 
     /// Local hashes computed by the router ([`kvindex_core::local_hashes`]): smaller on the
     /// wire than tokens.
     pub fn hashes(hashes: &[LocalHash]) -> Query {
-        Query { request: LookupRequest { block_hashes: Some(hashes.iter().map(|h| h.0).collect()), ..Default::default() } }
+        let request =
+            LookupRequest { block_hashes: Some(hashes.iter().map(|h| h.0).collect()), grouped: true, ..Default::default() };
+        Query { request }
     }
 
     /// Tokens of a LoRA adapter's request: they match only blocks cached for that adapter.
@@ -80,7 +84,8 @@ impl Query {
         self
     }
 
-    /// At most `n` matches, deepest first (kvindex's default is 64).
+    /// At most `n` matches, the deepest (by default every match): workers tied where the cut
+    /// falls are kept in rotation from one lookup to the next.
     pub fn max_matches(mut self, n: u32) -> Query {
         self.request.max_matches = Some(n);
         self
@@ -116,6 +121,9 @@ pub struct Answer {
     /// in blocks and whether its state is being resynchronised (`stale`: its depth may be out
     /// of date).
     pub matches: Vec<MatchEntry>,
+    /// The same workers grouped by answer (as they came over the wire): a thousand workers at
+    /// one depth are one group.
+    pub groups: Vec<MatchGroup>,
     /// Stale workers that match nothing: they may hold the prefix without kvindex knowing yet.
     pub stale_workers: Vec<WorkerRef>,
 }
@@ -174,7 +182,12 @@ impl LookupClient {
             Ok(Ok(m)) => m,
         };
         match rmp_serde::from_slice::<LookupResponse>(&reply.payload) {
-            Ok(LookupResponse::Matches { matches, stale_workers }) => Ok(Answer { matches, stale_workers }),
+            Ok(LookupResponse::Matches { mut matches, groups, stale_workers }) => {
+                if matches.is_empty() {
+                    matches = groups.iter().flat_map(MatchGroup::entries).collect();
+                }
+                Ok(Answer { matches, groups, stale_workers })
+            }
             Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
             Err(e) => Err(ClientError::BadAnswer(e.to_string())),
         }

@@ -740,10 +740,15 @@ pub struct LookupRequest {
     /// Only the first `max_blocks` blocks are matched.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_blocks: Option<u64>,
-    /// At most this many matches, deepest first (kvindex's default: 64; never more than fit
-    /// in one NATS message).
+    /// At most this many matches, the deepest (by default every match, as far as one NATS
+    /// message holds); where the cut falls among workers tied at one depth, those kept rotate
+    /// from one lookup to the next.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_matches: Option<u32>,
+    /// Answer in `groups`, one entry per distinct answer with its workers, rather than one
+    /// entry per worker in `matches`: a thousand workers at one depth cost one entry.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub grouped: bool,
     /// Tiers to match in: `device` (the default), `host`, `disk`. Device depth is a match's
     /// `blocks`; the others come in its `tiers`. A worker matching in any asked tier is listed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -958,6 +963,72 @@ impl TierDepths {
     }
 }
 
+/// Workers with the same answer, as a grouped answer lists them (`grouped` in the request).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MatchGroup {
+    /// Its workers, each `[worker_id, dp_rank]`.
+    pub workers: Vec<WorkerPair>,
+    /// Length of the longest contiguous prefix of the request each holds.
+    pub blocks: u32,
+    /// Their states are being resynchronised (see [`MatchEntry::stale`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stale: bool,
+    /// Depths in the host and disk tiers, for a request that asked for them.
+    #[serde(default, skip_serializing_if = "TierDepths::is_empty")]
+    pub tiers: TierDepths,
+    /// As [`MatchEntry::predicted_blocks`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_blocks: Option<u32>,
+    /// As [`MatchEntry::approximate`].
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub approximate: bool,
+}
+
+/// A worker and rank as a pair, `[worker_id, dp_rank]`: the compact form a group lists.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct WorkerPair(pub u64, pub u32);
+
+impl MatchGroup {
+    /// The group's workers as one entry each.
+    pub fn entries(&self) -> impl Iterator<Item = MatchEntry> + '_ {
+        self.workers.iter().map(move |w| MatchEntry {
+            worker_id: w.0,
+            dp_rank: w.1,
+            blocks: self.blocks,
+            stale: self.stale,
+            tiers: self.tiers,
+            predicted_blocks: self.predicted_blocks,
+            approximate: self.approximate,
+        })
+    }
+
+    /// Whether `e` carries this group's answer.
+    pub fn same_answer(&self, e: &MatchEntry) -> bool {
+        (self.blocks, self.stale, self.tiers, self.predicted_blocks, self.approximate)
+            == (e.blocks, e.stale, e.tiers, e.predicted_blocks, e.approximate)
+    }
+}
+
+/// Groups entries that are in answer order (deepest first): consecutive entries with the same
+/// answer share a group.
+pub fn group_entries(entries: impl IntoIterator<Item = MatchEntry>) -> Vec<MatchGroup> {
+    let mut out: Vec<MatchGroup> = Vec::new();
+    for e in entries {
+        match out.last_mut() {
+            Some(g) if g.same_answer(&e) => g.workers.push(WorkerPair(e.worker_id, e.dp_rank)),
+            _ => out.push(MatchGroup {
+                workers: vec![WorkerPair(e.worker_id, e.dp_rank)],
+                blocks: e.blocks,
+                stale: e.stale,
+                tiers: e.tiers,
+                predicted_blocks: e.predicted_blocks,
+                approximate: e.approximate,
+            }),
+        }
+    }
+    out
+}
+
 /// A worker and rank, as named in a lookup answer's `stale_workers`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WorkerRef {
@@ -974,8 +1045,11 @@ pub struct WorkerRef {
 pub enum LookupResponse {
     /// Workers holding at least the first block, deepest first.
     Matches {
-        /// One entry per matching worker, deepest first.
+        /// One entry per matching worker, deepest first (empty in a grouped answer).
         matches: Vec<MatchEntry>,
+        /// In a grouped answer, the workers with the same answer together, deepest first.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        groups: Vec<MatchGroup>,
         /// Workers being resynchronised that match nothing: a worker that lost its blocks
         /// would otherwise just be absent, and a partial answer would look like a true one.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -1305,12 +1379,13 @@ mod tests {
             tiers: Default::default(),
             ..Default::default()
         }];
-        let ok = LookupResponse::Matches { matches: one.clone(), stale_workers: vec![] };
+        let ok = LookupResponse::Matches { matches: one.clone(), groups: vec![], stale_workers: vec![] };
         let v = rmpv::decode::read_value(&mut &ok.encode()[..]).unwrap();
         let matches = field(v.as_map().unwrap(), "matches").unwrap().as_array().unwrap();
         assert_eq!(field(matches[0].as_map().unwrap(), "blocks").unwrap().as_u64(), Some(9));
         assert!(field(v.as_map().unwrap(), "stale_workers").is_none(), "left out when empty, as before the field");
-        let with_stale = LookupResponse::Matches { matches: one, stale_workers: vec![WorkerRef { worker_id: 4, dp_rank: 1 }] };
+        let with_stale =
+            LookupResponse::Matches { matches: one, groups: vec![], stale_workers: vec![WorkerRef { worker_id: 4, dp_rank: 1 }] };
         let v = rmpv::decode::read_value(&mut &with_stale.encode()[..]).unwrap();
         let stale = field(v.as_map().unwrap(), "stale_workers").unwrap().as_array().unwrap();
         assert_eq!(field(stale[0].as_map().unwrap(), "dp_rank").unwrap().as_u64(), Some(1));

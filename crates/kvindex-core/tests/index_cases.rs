@@ -374,3 +374,36 @@ fn orphans_of_one_branch_point_leave_in_any_order() {
     assert_eq!(index.stats().hidden, 4);
     assert_eq!(depths(&index, &[50, 51, 52], &all), vec![(6, 0, 1)]);
 }
+
+// Workers tied where a cut falls are kept in rotation: over as many lookups as it takes to go
+// round, each tied worker is kept equally often, never the lowest ids every time; the deeper
+// worker is always kept, and the grouped answer cuts the same way.
+for_each_backend!(a_cut_among_tied_workers_rotates);
+fn a_cut_among_tied_workers_rotates<I: KvIndex>(index: I) {
+    let mut deep = index.writer(WorkerId::new(100, 0)).unwrap();
+    index.store(&mut deep, None, &chain([1000, 1001], [1, 2]));
+    for w in 0..10u64 {
+        let mut wr = index.writer(WorkerId::new(w, 0)).unwrap();
+        index.store(&mut wr, None, &chain([w * 10], [1]));
+    }
+    let cut = MatchOptions { max_matches: Some(4), ..Default::default() };
+    let mut kept = std::collections::BTreeMap::new();
+    let mut grouped = kvindex_core::DepthGroups::default();
+    // Ten tied workers, three kept per lookup: thirty lookups go round three times.
+    for i in 0..30 {
+        let answer = if i % 2 == 0 {
+            index.find_matches(&q(&[1, 2]), &cut)
+        } else {
+            index.find_grouped(&q(&[1, 2]), &cut, &mut grouped);
+            grouped.to_matches()
+        };
+        assert_eq!(answer.len(), 4);
+        assert_eq!((answer[0].worker.worker_id, answer[0].blocks), (100, 2), "the deepest is never cut");
+        for m in &answer[1..] {
+            assert_eq!(m.blocks, 1);
+            *kept.entry(m.worker.worker_id).or_insert(0) += 1;
+        }
+    }
+    assert_eq!(kept.len(), 10, "every tied worker is kept in turn: {kept:?}");
+    assert!(kept.values().all(|&n| n == 9), "each as often as the others: {kept:?}");
+}

@@ -407,13 +407,20 @@ pub fn order_matches(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
 
 thread_local! {
     /// Where the next cut among tied workers starts, per thread: it moves on by what each cut
-    /// keeps, so consecutive lookups on a thread keep each tied worker equally often.
-    static ROTATION: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+    /// keeps, so consecutive lookups on a thread keep each tied worker equally often. Threads
+    /// start at different places (a hash of the thread under the process seed), so that
+    /// threads answering a lookup or two each do not all keep the same workers.
+    static ROTATION: std::cell::Cell<usize> = std::cell::Cell::new({
+        use std::hash::{BuildHasher, Hash, Hasher};
+        let mut h = crate::seeded::SeededState::default().build_hasher();
+        std::thread::current().id().hash(&mut h);
+        h.finish() as usize
+    });
 }
 
 /// Where to start keeping `want` of `n` workers tied at the cut (kept cyclically from there):
-/// a rotating offset, so that over lookups every tied worker is kept equally often, and
-/// deterministic on a thread, so that tests can check it.
+/// an offset that moves on by `want` each time, so that over lookups on a thread every tied
+/// worker is kept equally often.
 pub fn rotation(n: usize, want: usize) -> usize {
     if n == 0 {
         return 0;

@@ -52,8 +52,7 @@ impl FrozenReference {
                 (depth > 0).then_some(WorkerMatch { worker: *id, blocks: depth as u32 })
             })
             .collect();
-        out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
-        out.truncate(opts.max_matches.unwrap_or(usize::MAX));
+        super::order_matches(&mut out, opts.max_matches);
         out
     }
 }
@@ -172,8 +171,7 @@ impl KvIndex for ReferenceIndex {
                 out.push(WorkerMatch { worker: *id, blocks: depth as u32 });
             }
         }
-        out.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
-        out.truncate(opts.max_matches.unwrap_or(usize::MAX));
+        super::order_matches(&mut out, opts.max_matches);
         out
     }
 
