@@ -289,8 +289,10 @@ struct BenchArgs {
     /// Jump of the positional index's search.
     #[arg(long, default_value_t = kvindex_core::PositionalConfig::default().jump)]
     jump: usize,
-    /// Matches a lookup returns at most, deepest first (the daemon's default); 0 for all.
-    #[arg(long, default_value_t = 64)]
+    /// Matches a lookup returns at most, the deepest, sorted; 0 (the default, as the daemon
+    /// answers) for every match, each index in its own form (kvindex's depth groups, a peer's
+    /// list or map of every worker's depth, unsorted).
+    #[arg(long, default_value_t = 0)]
     max_matches: usize,
     /// Instead of the modes: open-loop runs on the trace's timeline compressed by each factor,
     /// events through the apply pool and lookups from lookup threads, the drain counted; reports

@@ -1,5 +1,5 @@
-//! The peers' indexes behind the bench's adapters (`--features peers`: smg's and NVIDIA
-//! Dynamo's), checked against the reference model on a replay of the real trace: the adapters
+//! The peers' indexes behind the bench's adapters (`--features peers`: smg's three and NVIDIA
+//! Dynamo's two), checked against the reference model on a replay of the real trace: the adapters
 //! convert faithfully, and each peer is as exact as it claims (or as its design allows). In a file of their own, so that their replays never run
 //! beside the memory measurements of the other tests that include the tooling.
 #![cfg(feature = "peers")]
@@ -14,7 +14,7 @@ use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::ReferenceIndex;
 use kvindex_core::RunIndex;
 use rustc_hash::FxHashMap;
-use tools::peers::{DynamoCrtc, DynamoPositional, SmgChain, SmgPositional};
+use tools::peers::{DynamoCrtc, DynamoPositional, SmgChain, SmgPositional, SmgRadix};
 use tools::stream::Op;
 use tools::trace::{read_trace_file, MockConfig, MockEngine};
 
@@ -82,4 +82,12 @@ fn dynamo_positional_overcounts_with_holes_and_the_run_index_does_not() {
     eprintln!("dynamo-positional with holes: {differ} of {lookups} answers differ from the reference");
     assert!(differ > 0);
     assert_eq!(disagreements(RunIndex::default(), 0.5), (lookups, 0));
+}
+
+#[test]
+fn smg_radix_answers_exactly_with_and_without_holes() {
+    let (lookups, differ) = disagreements(SmgRadix::new(64), 0.0);
+    assert!(lookups > 2000);
+    assert_eq!(differ, 0);
+    assert_eq!(disagreements(SmgRadix::new(64), 0.5), (lookups, 0));
 }

@@ -11,6 +11,7 @@ use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::{RunConfig, RunIndex};
+use kvindex_core::index::DepthGroups;
 use kvindex_core::index::{Backend, KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::Event;
 use rustc_hash::FxHashMap;
@@ -189,6 +190,9 @@ pub enum Indexer {
     /// Dynamo's `PositionalIndexer` (`dynamo-kv-router` 1.6.1).
     #[cfg(feature = "peers")]
     DynamoPositional,
+    /// smg's `RadixTree` (`smg-radix-tree` 0.1.0), behind a `RwLock`.
+    #[cfg(feature = "peers")]
+    SmgRadix,
 }
 
 impl std::str::FromStr for Indexer {
@@ -204,14 +208,16 @@ impl std::str::FromStr for Indexer {
             "dynamo-crtc" => Ok(Indexer::DynamoCrtc),
             #[cfg(feature = "peers")]
             "dynamo-positional" => Ok(Indexer::DynamoPositional),
+            #[cfg(feature = "peers")]
+            "smg-radix" => Ok(Indexer::SmgRadix),
             #[cfg(not(feature = "peers"))]
-            "smg-positional" | "smg-chain" | "dynamo-crtc" | "dynamo-positional" => {
+            "smg-positional" | "smg-chain" | "dynamo-crtc" | "dynamo-positional" | "smg-radix" => {
                 Err(format!("{s} needs the peers built in: cargo run --release --features peers -- bench ..."))
             }
             _ => s
                 .parse()
                 .map(Indexer::Kvindex)
-                .map_err(|e| format!("{e}, smg-positional, smg-chain, dynamo-crtc, dynamo-positional")),
+                .map_err(|e| format!("{e}, smg-positional, smg-chain, smg-radix, dynamo-crtc, dynamo-positional")),
         }
     }
 }
@@ -238,12 +244,59 @@ pub fn with_backend<R>(indexer: Indexer, jump: usize, f: impl FnOnceIndex<R>) ->
         Indexer::DynamoCrtc => f.call(|threads| crate::tools::peers::DynamoCrtc::new(threads, max_workers)),
         #[cfg(feature = "peers")]
         Indexer::DynamoPositional => f.call(|_| crate::tools::peers::DynamoPositional::new(jump, max_workers)),
+        #[cfg(feature = "peers")]
+        Indexer::SmgRadix => f.call(|_| crate::tools::peers::SmgRadix::new(max_workers)),
     }
 }
 
 /// A computation generic over the index type (a closure cannot be generic).
 pub trait FnOnceIndex<R> {
-    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> R;
+    fn call<I: Answering>(self, make: impl Fn(usize) -> I) -> R;
+}
+
+/// How an index gives every match in its own form, as a router using it would take it:
+/// kvindex's backends their depth groups ([`KvIndex::find_grouped`]), a peer the list or map
+/// its API returns, unsorted. What "every match" lookups measure.
+pub trait Answering: KvIndex {
+    /// Every match for `query`; how many there are.
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        GROUPED.with_borrow_mut(|g| {
+            self.find_grouped(query, &MatchOptions::default(), g);
+            g.len()
+        })
+    }
+}
+
+impl Answering for RunIndex {}
+impl Answering for PositionalIndex {}
+impl Answering for ReferenceIndex {}
+
+thread_local! {
+    /// A kvindex backend's grouped answer, reused across lookups on a thread.
+    static GROUPED: std::cell::RefCell<DepthGroups> = std::cell::RefCell::new(DepthGroups::default());
+}
+
+/// One timed lookup: the `max_matches` deepest, sorted (the cut answer), or every match in the
+/// index's own form.
+fn ask<I: Answering>(index: &I, q: &[LocalHash], opts: &MatchOptions) -> usize {
+    match opts.max_matches {
+        Some(_) => index.find_matches(q, opts).len(),
+        None => index.every_match(q),
+    }
+}
+
+/// Whether `got` is a right answer where `want` is the reference model's complete one: the
+/// same, or (with a cut) the same depths with each worker at its own depth (which of the
+/// workers tied at the cut are kept is a rotation's choice).
+fn agrees(got: &[WorkerMatch], want: &[WorkerMatch], cut: Option<usize>) -> bool {
+    match cut.filter(|&k| k < want.len()) {
+        None => got == want,
+        Some(k) => {
+            got.len() == k
+                && got.iter().zip(want).all(|(g, w)| g.blocks == w.blocks)
+                && got.iter().all(|g| want.contains(g))
+        }
+    }
 }
 
 /// Applies one event through a writer map owned by the caller.
@@ -266,7 +319,7 @@ struct RunAll<'a> {
 }
 
 impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
-    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> Vec<BenchResult> {
+    fn call<I: Answering>(self, make: impl Fn(usize) -> I) -> Vec<BenchResult> {
         let (wl, cfg) = (self.wl, self.cfg);
         let mut rows = Vec::new();
         let name = make(1).name().to_string();
@@ -288,7 +341,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
                 match op {
                     Op::Lookup(q) => {
                         let t = Instant::now();
-                        std::hint::black_box(index.find_matches(q, &opts));
+                        std::hint::black_box(ask(&index, q, &opts));
                         let _ = lat.record(t.elapsed().as_nanos() as u64);
                     }
                     Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
@@ -325,20 +378,24 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
             if cfg.modes.contains(&Mode::EndState) {
                 let queries = wl.lookup_queries();
                 for q in &queries {
-                    std::hint::black_box(index.find_matches(q, &opts));
+                    std::hint::black_box(ask(&index, q, &opts));
                 }
                 let mut lat = histogram();
                 let mut blocks = 0u64;
                 let start = Instant::now();
                 for q in &queries {
                     let t = Instant::now();
-                    std::hint::black_box(index.find_matches(q, &opts));
+                    std::hint::black_box(ask(&index, q, &opts));
                     let _ = lat.record(t.elapsed().as_nanos() as u64);
                     blocks += q.len() as u64;
                 }
                 let secs = start.elapsed().as_secs_f64();
+                let all = MatchOptions::default();
                 let wrong = self.truth.map(|truth| {
-                    queries.iter().zip(truth).filter(|(q, want)| index.find_matches(q, &opts) != **want).count() as u64
+                    let right = |q: &[LocalHash], want: &[WorkerMatch]| {
+                        agrees(&index.find_matches(q, &opts), want, cfg.max_matches) && index.find_matches(q, &all) == want
+                    };
+                    queries.iter().zip(truth).filter(|(q, want)| !right(q, want)).count() as u64
                 });
                 rows.push(BenchResult {
                     seconds: secs,
@@ -391,7 +448,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
                 match op {
                     Op::Lookup(q) => {
                         let t = Instant::now();
-                        std::hint::black_box(index.find_matches(q, &opts));
+                        std::hint::black_box(ask(&index, q, &opts));
                         let d = t.elapsed();
                         busy += d;
                         let _ = lat.record(d.as_nanos() as u64);
@@ -430,7 +487,7 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
 }
 
 /// Events through the apply pool, lookups from other threads at the same time.
-fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: BenchResult) -> BenchResult {
+fn concurrent<I: Answering>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: BenchResult) -> BenchResult {
     let index = Arc::new(index);
     let pool = ApplyPool::new(index.clone(), cfg.apply_threads, 1024, None);
     let queries = wl.lookup_queries();
@@ -449,7 +506,7 @@ fn concurrent<I: KvIndex>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: B
                     while !done.load(Ordering::Relaxed) && !queries.is_empty() {
                         let q = queries[i % queries.len()];
                         let t0 = Instant::now();
-                        std::hint::black_box(index.find_matches(q, &opts));
+                        std::hint::black_box(ask(&**index, q, &opts));
                         let _ = lat.record(t0.elapsed().as_nanos() as u64);
                         looked.fetch_add(1, Ordering::Relaxed);
                         looked_blocks.fetch_add(q.len() as u64, Ordering::Relaxed);
@@ -550,8 +607,8 @@ fn reference_answers(wl: &Workload, cfg: &BenchConfig) -> Vec<Vec<WorkerMatch>> 
         }
     }
     let frozen = index.freeze();
-    let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
-    wl.lookup_queries().iter().map(|q| frozen.find_matches(q, &opts)).collect()
+    let _ = cfg;
+    wl.lookup_queries().iter().map(|q| frozen.find_matches(q, &MatchOptions::default())).collect()
 }
 
 fn si(x: f64) -> String {

@@ -114,7 +114,7 @@ struct Sweep<'a> {
 }
 
 impl FnOnceIndex<Vec<KeepUpPoint>> for Sweep<'_> {
-    fn call<I: KvIndex>(self, make: impl Fn(usize) -> I) -> Vec<KeepUpPoint> {
+    fn call<I: crate::tools::bench::Answering>(self, make: impl Fn(usize) -> I) -> Vec<KeepUpPoint> {
         self.cfg.speedups.iter().map(|&s| once(make(self.cfg.apply_threads), self.wl, self.ts, s, self.cfg)).collect()
     }
 }

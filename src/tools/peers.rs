@@ -1,14 +1,20 @@
 //! Peers' indexes behind [`KvIndex`], so `kvindex bench` replays them beside kvindex's own
 //! backends in one run (built with `--features peers`). smg's `kv-index` crate, as published:
 //! 1.4.0's `PositionalIndexer` (a port of the Flash Indexer design) and 2.0.0's
-//! `ChainIndex` (smg's current index). Each adapter only converts types at the edge; what it
+//! `ChainIndex` (smg's current index); smg's `smg-radix-tree` 0.1.0 `RadixTree`; NVIDIA
+//! Dynamo's `dynamo-kv-router` 1.6.1. Each adapter only converts types at the edge; what it
 //! cannot express (snapshots, depth limits, per-block outcomes) is said where it happens.
+//!
+//! Each also answers "every match" in its own form ([`Answering`]), as a router using it would
+//! take it: a list or map of every worker's depth, unsorted.
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::{order_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
 use kvindex_core::workers::{RegistryError, WorkerRegistry};
 use parking_lot::RwLock;
 use std::cell::{Cell, RefCell};
+
+use super::bench::Answering;
 
 /// Workers by the peer's own id, so its scores can be named as kvindex names workers.
 #[derive(Default)]
@@ -203,6 +209,32 @@ impl SmgChain {
     }
 }
 
+thread_local! {
+    /// A peer's complete answer as its API gives it (worker, depth), reused.
+    static EVERY: RefCell<Vec<(u32, u32)>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Every match through the peer's own callback, collected and left unsorted.
+fn collected(scores: impl FnOnce(&mut dyn FnMut(u32, u32))) -> usize {
+    EVERY.with_borrow_mut(|out| {
+        out.clear();
+        scores(&mut |w, d| out.push((w, d)));
+        out.len()
+    })
+}
+
+impl Answering for SmgChain {
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        collected(|f| self.scores(query, f))
+    }
+}
+
+impl Answering for SmgPositional {
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        collected(|f| self.scores(query, f))
+    }
+}
+
 /// NVIDIA Dynamo's indexes (`dynamo-kv-router` 1.6.1): its events, converted from kvindex's.
 mod dynamo {
     use super::*;
@@ -243,6 +275,17 @@ mod dynamo {
         KvCacheEventData::Removed(KvCacheRemoveData {
             block_hashes: hashes.iter().map(|h| ExternalSequenceBlockHash(h.0)).collect(),
         })
+    }
+
+    /// The peer's complete answer as it returns it (its map of scores): how many match.
+    pub(super) fn every(query: &[LocalHash], find: impl FnOnce(&[LocalBlockHash]) -> OverlapScores) -> usize {
+        let scores = QUERY.with_borrow_mut(|q| {
+            q.clear();
+            q.extend(query.iter().map(|h| LocalBlockHash(h.0)));
+            find(q)
+        });
+        std::hint::black_box(&scores);
+        scores.scores.len()
     }
 
     /// The peer's answer for `query` in kvindex's order.
@@ -406,6 +449,15 @@ impl KvIndex for DynamoCrtc {
     }
 }
 
+impl Answering for DynamoCrtc {
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        if UNFLUSHED.get() == self.key() {
+            self.settle();
+        }
+        dynamo::every(query, |q| dynamo::SyncIndexer::find_matches(self.pool.backend(), q, false))
+    }
+}
+
 /// Dynamo's positional indexer (the Flash Indexer): a `(position, local hash)` table with jump
 /// search, driven directly on the caller's thread with the worker's block map, as Dynamo's
 /// pool threads drive it.
@@ -502,6 +554,164 @@ impl KvIndex for DynamoPositional {
 
     /// Nothing saved, so nothing to place: every block counts as unplaceable.
     fn restore(&self, _: &mut DynamoWriter, saved: &Saved) -> ApplyOutcome {
+        ApplyOutcome { unplaceable: saved.blocks.len() as u64, ..Default::default() }
+    }
+}
+
+impl Answering for DynamoPositional {
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        dynamo::every(query, |q| dynamo::SyncIndexer::find_matches(&self.index, q, false))
+    }
+}
+
+/// smg's `smg-radix-tree` 0.1.0 `RadixTree`: chains stored once, membership as runs over
+/// hash-consed (interned) holder sets. Its writes take `&mut self` (single-threaded by design),
+/// so here it sits behind a `RwLock`: writes exclusive, lookups shared.
+pub struct SmgRadix {
+    /// The peer's tree.
+    tree: RwLock<radix_tree::RadixTree>,
+    /// kvindex's registry, for the slot bound every backend shares.
+    registry: WorkerRegistry,
+    /// The tree's holder index back to kvindex's worker.
+    names: Names,
+}
+
+/// A worker's holder in the tree, with scratch for converting events.
+pub struct SmgRadixWriter {
+    /// kvindex's name for the worker.
+    id: WorkerId,
+    /// The tree's holder.
+    holder: radix_tree::HolderId,
+    /// Blocks of the event being converted, `(engine hash, local hash)`.
+    blocks: Vec<(u64, u64)>,
+    /// Hashes of the removal being converted.
+    hashes: Vec<u64>,
+}
+
+thread_local! {
+    /// The tree's lookup scratch and answer rows, reused across lookups on a thread.
+    static RADIX: RefCell<(radix_tree::OverlapScratch, Vec<radix_tree::Overlap>, Vec<u64>)> =
+        RefCell::new(Default::default());
+}
+
+impl SmgRadix {
+    /// An empty tree for up to `max_workers` workers.
+    pub fn new(max_workers: u32) -> Self {
+        SmgRadix {
+            tree: RwLock::new(radix_tree::RadixTree::new(radix_tree::Config::default())),
+            registry: WorkerRegistry::new(max_workers),
+            names: Names::default(),
+        }
+    }
+
+    /// The tree's answer rows for `query`, as its API gives them, to `report`.
+    fn scores(&self, query: &[LocalHash], mut report: impl FnMut(u32, u32)) {
+        RADIX.with_borrow_mut(|(scratch, rows, q)| {
+            q.clear();
+            q.extend(query.iter().map(|h| h.0));
+            self.tree.read().overlap(q, scratch, rows);
+            for r in rows.iter() {
+                report(r.holder.parts().0, r.depth);
+            }
+        })
+    }
+}
+
+impl Answering for SmgRadix {
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        RADIX.with_borrow_mut(|(scratch, rows, q)| {
+            q.clear();
+            q.extend(query.iter().map(|h| h.0));
+            self.tree.read().overlap(q, scratch, rows);
+            rows.len()
+        })
+    }
+}
+
+impl KvIndex for SmgRadix {
+    type Writer = SmgRadixWriter;
+
+    fn name(&self) -> &'static str {
+        "smg-radix"
+    }
+
+    fn registry(&self) -> &WorkerRegistry {
+        &self.registry
+    }
+
+    fn writer(&self, worker: WorkerId) -> Result<SmgRadixWriter, IndexError> {
+        self.registry.intern(worker)?;
+        let holder = self.tree.write().create_holder(&format!("{}.{}", worker.worker_id, worker.dp_rank));
+        self.names.set(holder.parts().0, Some(worker));
+        Ok(SmgRadixWriter { id: worker, holder, blocks: Vec::new(), hashes: Vec::new() })
+    }
+
+    fn worker_id(w: &SmgRadixWriter) -> WorkerId {
+        w.id
+    }
+
+    fn store(&self, w: &mut SmgRadixWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
+        w.blocks.clear();
+        w.blocks.extend(blocks.iter().map(|b| (b.block_hash.0, b.tokens_hash.0)));
+        let n = blocks.len() as u64;
+        match self.tree.write().store(w.holder, parent.map(|p| p.0), &w.blocks) {
+            Ok(o) => ApplyOutcome { stored: u64::from(o.applied), duplicates: u64::from(o.duplicates), ..Default::default() },
+            Err(radix_tree::StoreError::ChainTooLong) => ApplyOutcome { too_deep: n, ..Default::default() },
+            Err(_) => ApplyOutcome { unplaceable: n, ..Default::default() },
+        }
+    }
+
+    fn remove(&self, w: &mut SmgRadixWriter, hashes: &[BlockHash]) -> ApplyOutcome {
+        w.hashes.clear();
+        w.hashes.extend(hashes.iter().map(|h| h.0));
+        let removed = u64::from(self.tree.write().remove(w.holder, &w.hashes));
+        ApplyOutcome { removed, unknown_removes: hashes.len() as u64 - removed, ..Default::default() }
+    }
+
+    fn clear(&self, w: &mut SmgRadixWriter) -> ApplyOutcome {
+        let mut tree = self.tree.write();
+        let removed = tree.holder_blocks(w.holder);
+        tree.clear(w.holder);
+        ApplyOutcome { removed, ..Default::default() }
+    }
+
+    fn remove_worker(&self, w: SmgRadixWriter) -> ApplyOutcome {
+        let mut tree = self.tree.write();
+        let removed = tree.holder_blocks(w.holder);
+        self.names.set(w.holder.parts().0, None);
+        tree.retire_holder(w.holder);
+        drop(tree);
+        self.registry.release(w.id);
+        ApplyOutcome { removed, ..Default::default() }
+    }
+
+    fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        let names = self.names.0.read();
+        let mut out = Vec::new();
+        self.scores(&query[..n], |holder, depth| {
+            let Some(Some(worker)) = names.get(holder as usize) else { return };
+            if opts.workers.as_ref().is_none_or(|f| f.contains(&worker.worker_id)) {
+                out.push(WorkerMatch { worker: *worker, blocks: depth });
+            }
+        });
+        drop(names);
+        order_matches(&mut out, opts.max_matches);
+        out
+    }
+
+    fn stats(&self) -> IndexStats {
+        let s = self.tree.read().stats();
+        IndexStats { placements: s.holder_blocks, entries: s.distinct_entries, workers: self.registry.len() as u64, hidden: 0 }
+    }
+
+    /// The peer keeps no snapshots; `kvindex bench` never takes one.
+    fn save(&self, _: &SmgRadixWriter) -> Saved {
+        Saved::default()
+    }
+
+    /// Nothing saved, so nothing to place: every block counts as unplaceable.
+    fn restore(&self, _: &mut SmgRadixWriter, saved: &Saved) -> ApplyOutcome {
         ApplyOutcome { unplaceable: saved.blocks.len() as u64, ..Default::default() }
     }
 }
