@@ -96,6 +96,9 @@ pub struct Config {
     pub max_workers: u32,
     /// Most dp ranks tracked per worker id: one publisher cannot take every worker slot.
     pub max_dp_ranks: u32,
+    /// Most blocks one worker (and dp rank) holds in a tier: past it, stored blocks are
+    /// refused, counted and logged, and the worker is flagged stale.
+    pub max_blocks_per_worker: u64,
     /// Seconds before a stale worker that has not resynced is asked again; the wait doubles
     /// with each unanswered request, up to `resync_max_interval`.
     pub resync_interval: u64,
@@ -217,6 +220,7 @@ impl Default for Config {
             max_depth: index.max_depth,
             max_workers: index.max_workers,
             max_dp_ranks: 256,
+            max_blocks_per_worker: kvindex_core::index::runs::MAX_BLOCKS_PER_WORKER,
             resync_interval: 1,
             resync_max_interval: 30,
             ready_settle_ms: 500,

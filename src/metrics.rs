@@ -17,6 +17,7 @@ pub struct Metrics {
     pub duplicate_events: IntCounter,
     pub event_gaps: IntCounter,
     pub unplaceable_blocks: IntCounter,
+    pub over_limit_blocks: IntCounter,
     pub unknown_removes: IntCounter,
     pub refused_events: IntCounterVec,
     pub too_deep_blocks: IntCounter,
@@ -172,6 +173,11 @@ impl Metrics {
                 "Stored blocks whose parent the worker does not hold.",
             ),
             unknown_removes: counter(&r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
+            over_limit_blocks: counter(
+                &r,
+                "kvindex_over_limit_blocks_total",
+                "Stored blocks refused because their worker holds max_blocks_per_worker blocks: the worker is flagged stale.",
+            ),
             lookup_member: gauge(
                 &r,
                 "kvindex_lookup_member",

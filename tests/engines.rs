@@ -391,6 +391,49 @@ async fn vllm_hybrid_model_answers_what_every_group_can_serve() {
     daemon.stop().await.unwrap();
 }
 
+/// A sliding window longer than the request: vLLM's finder, seeing no window-long run of
+/// cached blocks, reuses the run from block 0 (its `num_contiguous_blocks` when no match is
+/// found). Group 0 full attention, group 1 a window of 4,096 tokens over 16-token blocks (256
+/// blocks); a 5-block request cached in both; the window evicts block 2: vLLM reuses 2 blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_longer_than_the_request_reuses_the_run_from_block_0() {
+    let (_nats, daemon, router) = setup().await;
+    let (port, replay) = (port_pair(), port_pair());
+    let mut engine = Engine::start("vllm", port, Some(replay), 10_000, 0);
+    let bridge = Bridge::start(&daemon, port, Some(replay), vec![0]).await;
+    bridge.hears(&mut engine).await;
+    let prompt: Vec<u32> = (0..5 * 16).collect();
+    let ask = || Query::tokens(&prompt, 16);
+    let store = |group: u32, kind: &str, window: Option<u32>| {
+        let spec = json!({"group_idx": group, "kv_cache_spec_kind": kind, "kv_cache_spec_sliding_window": window});
+        let mut e = json!({
+            "type": "BlockStored",
+            "block_hashes": [201, 202, 203, 204, 205],
+            "parent_block_hash": null,
+            "token_ids": prompt.clone(),
+            "block_size": 16,
+            "medium": "GPU",
+        });
+        if let (Some(e), Some(spec)) = (e.as_object_mut(), spec.as_object()) {
+            e.extend(spec.clone());
+        }
+        e
+    };
+    engine.publish(json!([store(0, "full_attention", None), store(1, "sliding_window", Some(4096))]));
+    wait_answer(&router, ask, 0, (5, false)).await;
+    engine.publish(json!([group_removed(1, json!([203]))]));
+    wait_answer(&router, ask, 0, (2, false)).await;
+    // The window's block 2 cached again: the whole request is reusable again.
+    let mut again = store(1, "sliding_window", Some(4096));
+    again["block_hashes"] = json!([203]);
+    again["parent_block_hash"] = json!(202);
+    again["token_ids"] = json!((32..48).collect::<Vec<u32>>());
+    engine.publish(json!([again]));
+    wait_answer(&router, ask, 0, (5, false)).await;
+    bridge.stop().await;
+    daemon.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bridge_that_cannot_replay_what_it_missed_is_stale_until_the_engine_clears() {
     let (_nats, daemon, router) = setup().await;

@@ -248,3 +248,29 @@ async fn one_publisher_cannot_take_every_worker_slot_with_dp_ranks() {
     assert_eq!(ids, vec![(9, 0), (9, 1), (9, 2), (9, 3), (10, 0)]);
     d.stop().await.unwrap();
 }
+
+/// One publisher storing without end: past `max_blocks_per_worker` its blocks are refused,
+/// counted and logged, and it is answered as stale (its state is incomplete), while the
+/// blocks it was allowed stay matched and other workers are untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cannot_grow_the_index_past_its_block_bound() {
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |cfg| cfg.max_blocks_per_worker = 100).await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    let chain = |from: u64, n: u64| (from..from + n).map(|i| (5_000 + i, 1 + i)).collect::<Vec<_>>();
+    send(&c, "t.events.5", &batch(5, 1, vec![KvEvent::stored(0, None, &chain(0, 60))])).await;
+    send(&c, "t.events.5", &batch(5, 1, vec![KvEvent::stored(1, Some(5_059), &chain(60, 90))])).await;
+    send(&c, "t.events.6", &batch(6, 1, vec![KvEvent::stored(0, None, &[(60, 1), (61, 2)])])).await;
+    let refused = eventually(10, || async { (d.metric("kvindex_over_limit_blocks_total").await == 50.0).then_some(()) }).await;
+    assert!(refused.is_some(), "the 50 blocks past the bound are refused and counted");
+    let hashes: Vec<u64> = (1..=150).collect();
+    let got = eventually(10, || async {
+        let m = matches(&c, &hashes).await;
+        (m.len() == 2 && m[0].stale).then_some(m)
+    })
+    .await
+    .expect("the worker over its bound is answered stale");
+    assert_eq!((got[0].worker_id, got[0].blocks), (5, 100), "what it was allowed stays matched");
+    assert_eq!((got[1].worker_id, got[1].blocks, got[1].stale), (6, 2, false), "another worker is untouched");
+    d.stop().await.unwrap();
+}

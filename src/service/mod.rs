@@ -216,11 +216,21 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
     }
     match cfg.backend {
         Backend::Runs => {
-            let index_cfg = RunConfig { max_depth: cfg.max_depth, max_workers: cfg.max_workers, ..RunConfig::default() };
+            let index_cfg = RunConfig {
+                max_depth: cfg.max_depth,
+                max_workers: cfg.max_workers,
+                max_blocks_per_worker: cfg.max_blocks_per_worker,
+                ..RunConfig::default()
+            };
             run(cfg, move || RunIndex::new(index_cfg), shutdown).await
         }
         Backend::Positional => {
-            let index_cfg = PositionalConfig { jump: cfg.jump, max_depth: cfg.max_depth, max_workers: cfg.max_workers };
+            let index_cfg = PositionalConfig {
+                jump: cfg.jump,
+                max_depth: cfg.max_depth,
+                max_workers: cfg.max_workers,
+                max_blocks_per_worker: cfg.max_blocks_per_worker,
+            };
             run(cfg, move || PositionalIndex::new(index_cfg), shutdown).await
         }
         Backend::Reference => anyhow::bail!("configuration: backend: the reference model is for tests, not for serving"),
@@ -517,6 +527,15 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
                 state.log.warn("registry_full", || {
                     format!("refused the events of worker {worker}: all {max} worker slots are taken (max_workers)")
                 });
+            }
+            if out.over_limit > 0 {
+                // Its blocks past max_blocks_per_worker are refused: its state is incomplete.
+                m.over_limit_blocks.inc_by(out.over_limit);
+                let max = state.cfg.max_blocks_per_worker;
+                state.log.warn("over_limit", || {
+                    format!("refused {} blocks of worker {worker}: it holds the most a worker may (max_blocks_per_worker = {max}); it is stale", out.over_limit)
+                });
+                state.mark_stale(worker, "over_limit");
             }
             if out.unplaceable > 0 {
                 // Its position and prefix are unknown: the worker's state is off until a resync.

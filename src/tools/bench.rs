@@ -292,9 +292,7 @@ fn agrees(got: &[WorkerMatch], want: &[WorkerMatch], cut: Option<usize>) -> bool
     match cut.filter(|&k| k < want.len()) {
         None => got == want,
         Some(k) => {
-            got.len() == k
-                && got.iter().zip(want).all(|(g, w)| g.blocks == w.blocks)
-                && got.iter().all(|g| want.contains(g))
+            got.len() == k && got.iter().zip(want).all(|(g, w)| g.blocks == w.blocks) && got.iter().all(|g| want.contains(g))
         }
     }
 }

@@ -170,6 +170,21 @@ fn point_hash(h: BlockHash, group: u8) -> BlockHash {
     BlockHash(xxh3_64_with_seed(&bytes, 0x6b76_6772_6f75_7074))
 }
 
+/// The most bits of probe results (rows and columns of holders) one batch of a hybrid lookup
+/// keeps: 8 Mi bits, 1 MiB each way, whatever the fleet and the query.
+pub const SCRATCH_BITS: usize = 1 << 23;
+
+thread_local! {
+    /// The most probe bits a batch of a lookup on this thread kept: for the test of the bound.
+    static SCRATCH_PEAK: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The most probe bits a batch of a hybrid lookup on this thread has kept so far (rows and
+/// columns), and resets it: what [`SCRATCH_BITS`] bounds.
+pub fn scratch_peak() -> usize {
+    SCRATCH_PEAK.with(|p| p.replace(0))
+}
+
 /// What one lookup learned of one group's positions.
 #[derive(Default)]
 struct Probed {
@@ -202,6 +217,13 @@ struct At<'a, I> {
     bit: usize,
 }
 
+impl Probed {
+    /// Bits of holders it keeps, rows and columns.
+    fn bits(&self) -> usize {
+        (self.rows.capacity() + self.cols.capacity()) * 64
+    }
+}
+
 impl<I: KvIndex> At<'_, I> {
     fn words(&self) -> usize {
         self.hybrid.len().div_ceil(64)
@@ -216,8 +238,12 @@ impl<I: KvIndex> At<'_, I> {
         let (words, cw) = (self.words(), self.col_words());
         let p = &mut *self.p;
         if p.probed.len() <= i {
-            p.probed.resize(i + 1, false);
-            p.rows.resize((i + 1) * words, 0);
+            // Grown 64 positions at a time, to exactly that: what it keeps is what it uses.
+            let n = (i + 1).next_multiple_of(64).min(self.span.max(i + 1));
+            p.probed.reserve_exact(n - p.probed.len());
+            p.probed.resize(n, false);
+            p.rows.reserve_exact(n * words - p.rows.len());
+            p.rows.resize(n * words, 0);
         }
         if p.probed[i] {
             return;
@@ -291,6 +317,8 @@ pub struct Groups<I> {
     kinds: RwLock<SeededMap<WorkerId, GroupList>>,
     /// Workers in `kinds`: lookups skip all of this while it is 0.
     hybrid: AtomicUsize,
+    /// The most probe bits a batch of a lookup keeps ([`SCRATCH_BITS`]; a setting for tests).
+    scratch_bits: usize,
 }
 
 /// A block of a hybrid worker: its place, and the groups holding it.
@@ -329,7 +357,13 @@ pub struct SavedGroups {
 impl<I: KvIndex> Groups<I> {
     /// No hybrid worker yet; `points` holds the groups' placements.
     pub fn new(points: I) -> Self {
-        Groups { points, kinds: RwLock::new(SeededMap::default()), hybrid: AtomicUsize::new(0) }
+        Groups { points, kinds: RwLock::new(SeededMap::default()), hybrid: AtomicUsize::new(0), scratch_bits: SCRATCH_BITS }
+    }
+
+    /// The same with batches of a lookup keeping at most `bits` of probe results.
+    pub fn with_scratch_bits(mut self, bits: usize) -> Self {
+        self.scratch_bits = bits;
+        self
     }
 
     /// A writer for `worker`, which has just shown groups.
@@ -526,20 +560,48 @@ impl<I: KvIndex> Groups<I> {
     /// Lowers each hybrid worker's depth in `matches` (its primary-group depth for `query`) to
     /// what all its groups can serve, drops those left at 0, and sorts deepest first (ties by
     /// worker). Workers without groups keep their depth.
+    ///
+    /// What one lookup allocates is bounded: the probes' bits take two bits per hybrid worker,
+    /// group and position (a row and a column), so the hybrid workers are taken in batches of
+    /// at most `SCRATCH_BITS / (2 x groups x query length)` (at least 64, a word of bits),
+    /// each batch probing for itself: a lookup keeps at most `SCRATCH_BITS`, or 128 bits per
+    /// group and position of the query when a batch of 64 needs more.
     pub fn limit(&self, query: &[LocalHash], matches: &mut Vec<WorkerMatch>) {
         if !self.any() {
             return;
         }
         let kinds = self.kinds.read();
-        // The hybrid workers among the matches, by worker: a holder's bit is its place here.
+        // The hybrid workers among the matches, by worker.
         let mut hybrid: Vec<WorkerId> = matches.iter().map(|m| m.worker).filter(|w| kinds.contains_key(w)).collect();
         if hybrid.is_empty() {
             return;
         }
         hybrid.sort_unstable();
+        let groups = hybrid.iter().filter_map(|w| kinds.get(w)).map(|g| g.len()).max().unwrap_or(1);
+        let batch = (self.scratch_bits / (2 * groups * query.len().max(1)) / 64 * 64).max(64);
         let mut chain: Vec<PrefixHash> = Vec::new();
+        let mut changed = false;
+        for part in hybrid.chunks(batch) {
+            changed |= self.limit_part(query, part, &kinds, &mut chain, matches);
+        }
+        if changed {
+            matches.retain(|m| m.blocks > 0);
+            matches.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+        }
+    }
+
+    /// [`Groups::limit`] for the hybrid workers of `hybrid` (sorted): a holder's bit is its
+    /// place here. Whether any depth changed.
+    fn limit_part(
+        &self,
+        query: &[LocalHash],
+        hybrid: &[WorkerId],
+        kinds: &SeededMap<WorkerId, GroupList>,
+        chain: &mut Vec<PrefixHash>,
+        matches: &mut [WorkerMatch],
+    ) -> bool {
         // Per probed group: which positions were probed, and each one's holders among `hybrid`
-        // (`words` words per position); each (group, position) is probed once per lookup.
+        // (`words` words per position); each (group, position) is probed once per batch.
         let mut probes: Vec<Probed> = Vec::new();
         let mut mine: Vec<usize> = Vec::new();
         let mut changed = false;
@@ -547,7 +609,7 @@ impl<I: KvIndex> Groups<I> {
             let Some(groups) = kinds.get(&m.worker) else { continue };
             let Ok(bit) = hybrid.binary_search(&m.worker) else { continue };
             let limit = (m.blocks as usize).min(query.len());
-            crate::hash::extend_chain(query, &mut chain, limit.saturating_sub(1));
+            crate::hash::extend_chain(query, chain, limit.saturating_sub(1));
             mine.clear();
             for &(group, _) in groups.iter() {
                 mine.push(match probes.iter().position(|p| p.group == group) {
@@ -559,8 +621,7 @@ impl<I: KvIndex> Groups<I> {
                 });
             }
             let depth = fixed_point(limit, groups.len(), |j, e| {
-                let mut at =
-                    At { points: &self.points, chain: &chain, hybrid: &hybrid, span: query.len(), p: &mut probes[mine[j]], bit };
+                let mut at = At { points: &self.points, chain, hybrid, span: query.len(), p: &mut probes[mine[j]], bit };
                 groups[j].1.reduce_held(e, &mut at)
             });
             if depth as u32 != m.blocks {
@@ -568,9 +629,7 @@ impl<I: KvIndex> Groups<I> {
                 changed = true;
             }
         }
-        if changed {
-            matches.retain(|m| m.blocks > 0);
-            matches.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
-        }
+        SCRATCH_PEAK.with(|p| p.set(p.get().max(probes.iter().map(Probed::bits).sum())));
+        changed
     }
 }

@@ -286,3 +286,46 @@ fn a_window_and_a_state_group_limit_the_primary_depth() {
     // Without the state group, the window alone serves 5.
     assert_eq!(hybrid_depth(6, &[window], |_, i| win[i]), 5);
 }
+
+/// What a hybrid lookup keeps is bounded: many hybrid workers and a long query are taken in
+/// batches whose probe bits stay under the bound, and the answer is the one an unbounded
+/// lookup gives.
+#[test]
+fn a_hybrid_lookup_keeps_its_probes_within_the_bound() {
+    let window = GroupKind::Window { blocks: 8 };
+    let (small, large) = (
+        Groups::new(RunIndex::default()).with_scratch_bits(1 << 16),
+        Groups::new(RunIndex::default()).with_scratch_bits(usize::MAX / 4),
+    );
+    let main = RunIndex::default();
+    let locals: Vec<u64> = (0..256).map(|i| 1_000 + i).collect();
+    for w in 0..512u64 {
+        let id = WorkerId::new(w, 0);
+        let chain: Vec<StoredBlock> = locals.iter().enumerate().map(|(i, &l)| StoredBlock::new(w << 32 | i as u64, l)).collect();
+        let mut mw = main.writer(id).unwrap();
+        main.store(&mut mw, None, &chain);
+        std::mem::forget(mw);
+        // The window holds every block but those at positions hit by the worker's own stride,
+        // so each worker's rule steps over holes of its own.
+        let held: Vec<BlockHash> = (0..256u64).filter(|i| (i + w) % (3 + w % 5) != 0).map(|i| BlockHash(w << 32 | i)).collect();
+        for g in [&small, &large] {
+            let mut gw = g.writer(id);
+            g.primary_stored(&mut gw, None, &chain);
+            g.store(&mut gw, 1, window, &held);
+            std::mem::forget(gw);
+        }
+    }
+    let q: Vec<LocalHash> = locals.iter().map(|&l| LocalHash(l)).collect();
+    let primary = main.find_matches(&q, &MatchOptions::default());
+    assert_eq!(primary.len(), 512);
+    let (mut a, mut b) = (primary.clone(), primary);
+    let _ = kvindex_core::groups::scratch_peak();
+    small.limit(&q, &mut a);
+    let bounded = kvindex_core::groups::scratch_peak();
+    large.limit(&q, &mut b);
+    let unbounded = kvindex_core::groups::scratch_peak();
+    assert_eq!(a, b, "batches answer what one pass does");
+    assert!(a.iter().any(|m| m.blocks < 256) && a.iter().any(|m| m.blocks > 0), "the rule bites: {:?}", &a[..4]);
+    assert!(unbounded > 1 << 16, "one pass keeps {unbounded} bits");
+    assert!(bounded <= 1 << 16, "a batch keeps {bounded} bits, over the bound");
+}

@@ -407,3 +407,22 @@ fn a_cut_among_tied_workers_rotates<I: KvIndex>(index: I) {
     assert_eq!(kept.len(), 10, "every tied worker is kept in turn: {kept:?}");
     assert!(kept.values().all(|&n| n == 9), "each as often as the others: {kept:?}");
 }
+
+/// A worker stores at most `max_blocks_per_worker` blocks: a store past it is cut short, the
+/// rest counted as over the limit, and what was stored stays matched.
+#[test]
+fn a_worker_holds_at_most_its_block_bound() {
+    fn check<I: KvIndex>(index: I) {
+        let mut w = index.writer(WorkerId::new(1, 0)).unwrap();
+        let out = index.store(&mut w, None, &chain(100..106, 1..7));
+        assert_eq!((out.stored, out.over_limit), (4, 2), "{}", index.name());
+        let out = index.store(&mut w, Some(BlockHash(103)), &chain([200], [5]));
+        assert_eq!((out.stored, out.over_limit), (0, 1), "{}", index.name());
+        index.remove(&mut w, &[BlockHash(103)]);
+        let out = index.store(&mut w, Some(BlockHash(102)), &chain([103, 104], [4, 5]));
+        assert_eq!((out.stored, out.over_limit), (1, 1), "{}: room for one again", index.name());
+        assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &MatchOptions::default()), vec![(1, 0, 4)]);
+    }
+    check(RunIndex::new(RunConfig { max_blocks_per_worker: 4, ..RunConfig::default() }));
+    check(PositionalIndex::new(PositionalConfig { max_blocks_per_worker: 4, ..Default::default() }));
+}

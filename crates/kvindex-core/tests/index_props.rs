@@ -193,7 +193,7 @@ fn check(ops: &[Op], jump: usize, spread: u64) -> Result<(), TestCaseError> {
 }
 
 fn check_depth(ops: &[Op], jump: usize, spread: u64, max_depth: u32) -> Result<(), TestCaseError> {
-    let cfg = PositionalConfig { jump, max_depth, max_workers: 1 << 12 };
+    let cfg = PositionalConfig { jump, max_depth, max_workers: 1 << 12, ..PositionalConfig::default() };
     let mut reference = Driver::new(move || ReferenceIndex::new(max_depth, 1 << 12), spread);
     let mut positional = Driver::new(move || PositionalIndex::new(cfg), spread);
     let mut runs =

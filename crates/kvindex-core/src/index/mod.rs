@@ -411,10 +411,8 @@ thread_local! {
     /// start at different places (a hash of the thread under the process seed), so that
     /// threads answering a lookup or two each do not all keep the same workers.
     static ROTATION: std::cell::Cell<usize> = std::cell::Cell::new({
-        use std::hash::{BuildHasher, Hash, Hasher};
-        let mut h = crate::seeded::SeededState::default().build_hasher();
-        std::thread::current().id().hash(&mut h);
-        h.finish() as usize
+        use std::hash::BuildHasher;
+        crate::seeded::SeededState::default().hash_one(std::thread::current().id()) as usize
     });
 }
 

@@ -46,11 +46,19 @@ pub struct PositionalConfig {
     pub max_depth: u32,
     /// Most workers (worker id, dp rank) held at once.
     pub max_workers: u32,
+    /// Most blocks one worker holds; a store past it is cut short (see
+    /// [`super::runs::RunConfig::max_blocks_per_worker`]).
+    pub max_blocks_per_worker: u64,
 }
 
 impl Default for PositionalConfig {
     fn default() -> Self {
-        PositionalConfig { jump: 64, max_depth: 1 << 16, max_workers: 1 << 16 }
+        PositionalConfig {
+            jump: 64,
+            max_depth: 1 << 16,
+            max_workers: 1 << 16,
+            max_blocks_per_worker: super::runs::MAX_BLOCKS_PER_WORKER,
+        }
     }
 }
 
@@ -1165,6 +1173,16 @@ impl KvIndex for PositionalIndex {
 
     fn store(&self, w: &mut PositionalWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
+        let room = self.cfg.max_blocks_per_worker.saturating_sub(w.blocks.len() as u64);
+        let blocks = if blocks.len() as u64 > room {
+            out.over_limit = blocks.len() as u64 - room;
+            &blocks[..room as usize]
+        } else {
+            blocks
+        };
+        if blocks.is_empty() {
+            return out;
+        }
         let was_holey = w.holey();
         // Whether the block before the next one is hidden (so the next one is too).
         let mut under_hidden = false;
