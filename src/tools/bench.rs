@@ -267,11 +267,25 @@ pub trait Answering: KvIndex {
     }
 }
 
-impl Answering for RunIndex {}
+/// The run index's own form is slots by depth; each match goes out as `(slot, depth)`, as a
+/// peer's callback gives `(its worker index, depth)`.
+impl Answering for RunIndex {
+    fn every_match(&self, query: &[LocalHash]) -> usize {
+        PAIRS.with_borrow_mut(|out| {
+            self.with_every_match(query, &MatchOptions::default(), |a| {
+                out.clear();
+                a.for_each(|depth, slot| out.push((slot, depth)));
+                out.len()
+            })
+        })
+    }
+}
 impl Answering for PositionalIndex {}
 impl Answering for ReferenceIndex {}
 
 thread_local! {
+    /// The run index's matches as `(slot, depth)`, reused across lookups on a thread.
+    static PAIRS: std::cell::RefCell<Vec<(u32, u32)>> = const { std::cell::RefCell::new(Vec::new()) };
     /// A kvindex backend's grouped answer, reused across lookups on a thread.
     static GROUPED: std::cell::RefCell<DepthGroups> = std::cell::RefCell::new(DepthGroups::default());
 }

@@ -260,6 +260,35 @@ impl WorkerRegistry {
         self.ids.get(slot)
     }
 
+    /// Calls `f` with the worker of every slot of `set` that has one, read without a lock:
+    /// one look-up of the table's chunk per chunk of slots, not per slot.
+    pub fn name_each(&self, set: &SlotBits, mut f: impl FnMut(WorkerId)) {
+        let mut at: Option<(usize, &[IdCell; ID_CHUNK])> = None;
+        for (i, &word) in set.words.iter().enumerate() {
+            let mut m = word;
+            while m != 0 {
+                let slot = i * 64 + m.trailing_zeros() as usize;
+                m &= m - 1;
+                let k = slot / ID_CHUNK;
+                let chunk = match at {
+                    Some((c, chunk)) if c == k => chunk,
+                    _ => {
+                        let p = self.ids.chunks.get(k).map_or(std::ptr::null_mut(), |c| c.load(Ordering::Acquire));
+                        // SAFETY: chunks are published once and freed only with the table.
+                        let Some(chunk) = (unsafe { p.as_ref() }) else { continue };
+                        at = Some((k, chunk));
+                        chunk
+                    }
+                };
+                let cell = &chunk[slot % ID_CHUNK];
+                let rank = cell.rank.load(Ordering::Acquire);
+                if rank & PRESENT != 0 {
+                    f(WorkerId::new(cell.worker_id.load(Ordering::Relaxed), rank as u32));
+                }
+            }
+        }
+    }
+
     /// Whether worker sets may have spilled: a slot past the first inline window was handed out.
     #[inline]
     pub fn may_spill(&self) -> bool {

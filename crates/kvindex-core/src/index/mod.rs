@@ -109,6 +109,22 @@ impl DepthGroups {
         }
     }
 
+    /// Appends `worker` to the group being built (closed by [`DepthGroups::close_group`]).
+    #[inline]
+    pub(crate) fn push_worker(&mut self, worker: WorkerId) {
+        self.workers.push(worker);
+    }
+
+    /// Closes the group being built at `depth` (shallower than the last): the workers pushed
+    /// since the last group (none: no group).
+    pub(crate) fn close_group(&mut self, depth: u32) {
+        debug_assert!(self.groups.last().is_none_or(|&(d, _)| d > depth), "groups go deepest first");
+        let end = self.workers.len() as u32;
+        if self.groups.last().map_or(0, |&(_, e)| e) < end {
+            self.groups.push((depth, end));
+        }
+    }
+
     /// The groups, deepest first: each depth with its workers.
     pub fn iter(&self) -> impl Iterator<Item = (u32, &[WorkerId])> + '_ {
         let mut from = 0;

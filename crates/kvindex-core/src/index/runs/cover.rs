@@ -143,7 +143,19 @@ pub(crate) struct Dense {
     full: Box<[AtomicU64]>,
     /// Each slot's cutoff, 0 for none: what a lookup trusts.
     cuts: Box<[AtomicU32]>,
+    /// Offsets inside the run where children hang, in the order marked (`marks` of them):
+    /// a lookup that leaves the run into a child there takes the holders that go on from the
+    /// mark's bits, 64 workers a word, instead of reading each one's cutoff.
+    mark_at: Box<[AtomicU32]>,
+    /// Marks in use: `mark_at[..marks]`, published after their bits.
+    marks: AtomicU32,
+    /// Mark `m`'s bits, words `m * words..`: slots whose cutoff reaches the mark (hints, as the
+    /// full bits are: set after the cutoff is stored, cleared with it).
+    mark_bits: Box<[AtomicU64]>,
 }
+
+/// Most offsets a dense cover marks.
+pub(crate) const MARKS: usize = 16;
 
 impl Dense {
     /// The dense form of `list` for a run of `len` blocks, with room for `width` slots.
@@ -157,8 +169,53 @@ impl Dense {
 
     fn empty(len: u32, width: usize) -> Dense {
         let width = width.div_ceil(64) * 64;
-        let words = || (0..width / 64).map(|_| AtomicU64::new(0)).collect();
-        Dense { len, holders: words(), full: words(), cuts: (0..width).map(|_| AtomicU32::new(0)).collect() }
+        let words = |n: usize| (0..n * width / 64).map(|_| AtomicU64::new(0)).collect();
+        Dense {
+            len,
+            holders: words(1),
+            full: words(1),
+            cuts: (0..width).map(|_| AtomicU32::new(0)).collect(),
+            mark_at: (0..MARKS).map(|_| AtomicU32::new(0)).collect(),
+            marks: AtomicU32::new(0),
+            mark_bits: words(MARKS),
+        }
+    }
+
+    /// Writer (run locked): marks offset `at` (inside the run, where a child hangs), unless it
+    /// is marked or every mark is taken. Its bits are filled before it is published.
+    pub(crate) fn mark(&self, at: u32) {
+        let n = self.marks.load(Ordering::Relaxed) as usize;
+        if at == 0 || at >= self.len || n == MARKS || self.mark_at[..n].iter().any(|m| m.load(Ordering::Relaxed) == at) {
+            return;
+        }
+        let words = self.holders.len();
+        for (i, bits) in self.mark_bits[n * words..(n + 1) * words].iter().enumerate() {
+            let mut v = 0u64;
+            for (b, c) in self.cuts[i * 64..i * 64 + 64].iter().enumerate() {
+                v |= u64::from(c.load(Ordering::Relaxed) >= at) << b;
+            }
+            bits.store(v, Ordering::Relaxed);
+        }
+        self.mark_at[n].store(at, Ordering::Relaxed);
+        self.marks.store(n as u32 + 1, Ordering::Release);
+    }
+
+    /// Writer: the offsets marked.
+    fn marked(&self) -> impl Iterator<Item = u32> + '_ {
+        self.mark_at[..self.marks.load(Ordering::Relaxed) as usize].iter().map(|m| m.load(Ordering::Relaxed))
+    }
+
+    /// Reader: the mark at offset `at`, if there is one.
+    #[inline]
+    pub(crate) fn find_mark(&self, at: u32) -> Option<usize> {
+        let n = (self.marks.load(Ordering::Acquire) as usize).min(MARKS);
+        self.mark_at[..n].iter().position(|m| m.load(Ordering::Relaxed) == at)
+    }
+
+    /// Reader: word `i` of mark `m`'s bits.
+    #[inline]
+    pub(crate) fn mark_word(&self, m: usize, i: usize) -> u64 {
+        self.mark_bits.get(m * self.holders.len() + i).map_or(0, |b| b.load(Ordering::Acquire))
     }
 
     /// Slots it has room for.
@@ -166,7 +223,7 @@ impl Dense {
         self.cuts.len()
     }
 
-    /// Writer: a copy with room for `width` slots.
+    /// Writer: a copy with room for `width` slots, with the same marks.
     pub(crate) fn widened(&self, width: usize) -> Dense {
         let d = Dense::empty(self.len, width.max(self.width()));
         for (slot, c) in self.cuts.iter().enumerate() {
@@ -174,6 +231,9 @@ impl Dense {
             if c > 0 {
                 d.set(slot as Slot, 0, c);
             }
+        }
+        for at in self.marked() {
+            d.mark(at);
         }
         d
     }
@@ -193,9 +253,16 @@ impl Dense {
     pub(crate) fn set(&self, slot: Slot, from: u32, to: u32) {
         let (w, bit) = (slot as usize / 64, 1u64 << (slot % 64));
         self.cuts[slot as usize].store(to, Ordering::Release);
+        let words = self.holders.len();
+        let marks = self.marks.load(Ordering::Relaxed) as usize;
         if to > from {
             if from == 0 {
                 self.holders[w].fetch_or(bit, Ordering::Release);
+            }
+            for (m, at) in self.mark_at[..marks].iter().enumerate() {
+                if (from + 1..=to).contains(&at.load(Ordering::Relaxed)) {
+                    self.mark_bits[m * words + w].fetch_or(bit, Ordering::Release);
+                }
             }
             if to == self.len {
                 self.full[w].fetch_or(bit, Ordering::Release);
@@ -203,6 +270,11 @@ impl Dense {
         } else {
             if from == self.len {
                 self.full[w].fetch_and(!bit, Ordering::Release);
+            }
+            for (m, at) in self.mark_at[..marks].iter().enumerate() {
+                if (to + 1..=from).contains(&at.load(Ordering::Relaxed)) {
+                    self.mark_bits[m * words + w].fetch_and(!bit, Ordering::Release);
+                }
             }
             if to == 0 {
                 self.holders[w].fetch_and(!bit, Ordering::Release);
@@ -236,7 +308,7 @@ impl Dense {
 
     /// Heap bytes.
     pub(crate) fn heap_bytes(&self) -> usize {
-        self.cuts.len() * 4 + self.holders.len() * 16
+        self.cuts.len() * 4 + self.holders.len() * 16 + self.mark_bits.len() * 8 + MARKS * 4
     }
 }
 

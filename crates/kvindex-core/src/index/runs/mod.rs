@@ -133,13 +133,14 @@ impl RunIndex {
         let width = s.alive.words().len();
         loop {
             // Who holds how much of the run: those holding fewer than `k` blocks end here, those
-            // holding none where it starts. The coverage is read before the hashes: a writer
-            // appends a run's hashes before it publishes a cutoff over them, so no cutoff read
-            // here reaches past the hashes read after it.
+            // holding none where it starts. A list is read before the hashes: a writer appends
+            // a run's hashes before it publishes a cutoff over them, so no cutoff read here
+            // reaches past the hashes read after it.
             s.next.clear_to(width);
             let mut ended = s.spare.pop().unwrap_or_default();
             ended.clear_to(width);
             s.cuts.clear();
+            run.prefetch_hashes(guard);
             let k;
             match run.cover(guard) {
                 Cover::List(l) => {
@@ -164,28 +165,24 @@ impl RunIndex {
                     }
                 }
                 Cover::Dense(d) => {
-                    s.dense.clear();
+                    // A dense cover takes no appends and was made from hashes at least as long
+                    // as its length, published before it: hashes read now reach every cutoff
+                    // in it, so the match length is known before the cutoffs are read.
+                    k = common_len(run.hashes(guard), &q[pos..]);
+                    let (len, full_goes_on) = (d.len() as usize, d.len() as usize >= k);
+                    // Leaving the run into a child inside it: the holders reaching the child's
+                    // offset, a word at a time, from its mark.
+                    let mark = if k < len { d.find_mark(k as u32) } else { None };
+                    let (next, ends) = (s.next.words_mut(), ended.words_mut());
                     for (i, &a) in s.alive.words().iter().enumerate() {
                         if a == 0 {
                             continue;
                         }
                         let (h, f) = d.bits(i);
                         let (h, f) = (h & a, f & a);
-                        s.dense.push((i, h, f));
-                        let mut rest = h & !f;
-                        while rest != 0 {
-                            let slot = (i * 64) as Slot + rest.trailing_zeros();
-                            rest &= rest - 1;
-                            s.cuts.push((slot, d.cut(slot)));
-                        }
-                    }
-                    k = common_len(run.hashes(guard), &q[pos..]);
-                    let (len, full_goes_on) = (d.len() as usize, d.len() as usize >= k);
-                    let (next, ends) = (s.next.words_mut(), ended.words_mut());
-                    for &(i, h, f) in &s.dense {
-                        ends[i] = s.alive.words()[i] & !h;
+                        let (mut goes, mut end) = (0, a & !h);
                         if full_goes_on {
-                            next[i] = f;
+                            goes = f;
                         } else {
                             let mut full = f;
                             while full != 0 {
@@ -193,14 +190,22 @@ impl RunIndex {
                                 full &= full - 1;
                             }
                         }
-                    }
-                    for &(slot, c) in &s.cuts {
-                        let (i, bit) = (slot as usize / 64, 1u64 << (slot % 64));
-                        match c as usize {
-                            0 => ends[i] |= bit,
-                            c if c >= k => next[i] |= bit,
-                            c => s.out.push((slot, (pos + c) as u32)),
+                        if let Some(m) = mark {
+                            goes |= d.mark_word(m, i) & h;
                         }
+                        let mut rest = h & !f & !goes;
+                        while rest != 0 {
+                            let b = rest.trailing_zeros();
+                            rest &= rest - 1;
+                            let slot = (i * 64) as Slot + b;
+                            match d.cut(slot) as usize {
+                                0 => end |= 1 << b,
+                                c if c >= k => goes |= 1 << b,
+                                c => s.out.push((slot, (pos + c) as u32)),
+                            }
+                        }
+                        next[i] = goes;
+                        ends[i] = end;
                     }
                 }
             }
@@ -247,8 +252,15 @@ impl RunIndex {
             let (ones, sets_here) = (&s.out[i..i + singles], &s.groups[j..j + sets]);
             let here = singles + sets_here.iter().map(|(_, g)| g.len()).sum::<usize>();
             if here <= room {
-                let members = ones.iter().map(|&(slot, _)| slot).chain(sets_here.iter().flat_map(|(_, g)| g.iter()));
-                out.push_group(d, members.filter_map(|slot| reg.worker(slot)));
+                for &(slot, _) in ones {
+                    if let Some(w) = reg.worker(slot) {
+                        out.push_worker(w);
+                    }
+                }
+                for (_, g) in sets_here {
+                    reg.name_each(g, |w| out.push_worker(w));
+                }
+                out.close_group(d);
                 room -= here;
             } else {
                 let mut tied = s.spare.pop().unwrap_or_default();
@@ -273,6 +285,29 @@ impl RunIndex {
         }
     }
 
+    /// Every match of one lookup as slots, deepest first, given to `f` while the lookup is
+    /// still pinned (`opts.max_matches` is not applied): for callers that name workers
+    /// themselves through [`SlotAnswer::worker`], or only count them. A thousand workers tied
+    /// at one depth are one set of slots here, named only if the caller asks.
+    pub fn with_every_match<R>(&self, query: &[LocalHash], opts: &MatchOptions, f: impl FnOnce(&SlotAnswer<'_>) -> R) -> R {
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            s.reset();
+            let guard = epoch::pin();
+            if n > 0 {
+                candidate_slots(&self.registry, opts, &mut s.alive);
+                self.walk(&query[..n], &mut s, &guard);
+            }
+            s.out.sort_unstable_by_key(|x| std::cmp::Reverse(x.1));
+            s.groups.sort_unstable_by_key(|g| std::cmp::Reverse(g.0));
+            let answer = SlotAnswer { singles: &s.out, sets: &s.groups, registry: &self.registry };
+            let r = f(&answer);
+            drop(guard);
+            r
+        })
+    }
+
     /// One lookup into `out`, pinned from the walk to the naming of its workers.
     fn lookup(&self, query: &[LocalHash], opts: &MatchOptions, out: &mut DepthGroups) {
         out.clear();
@@ -293,10 +328,72 @@ impl RunIndex {
     }
 }
 
+/// Every match of one lookup as the walk leaves it, slots by depth (see
+/// [`RunIndex::with_every_match`]); valid while the lookup that made it is pinned.
+pub struct SlotAnswer<'a> {
+    /// Workers whose match ended on their own, deepest first.
+    singles: &'a [(Slot, u32)],
+    /// Sets of workers whose match ended together, deepest first.
+    sets: &'a [(u32, SlotBits)],
+    /// Names slots.
+    registry: &'a WorkerRegistry,
+}
+
+impl SlotAnswer<'_> {
+    /// Calls `f(depth, slot)` for every match, deepest first.
+    pub fn for_each(&self, mut f: impl FnMut(u32, Slot)) {
+        let (mut i, mut j) = (0, 0);
+        loop {
+            let single = self.singles.get(i).filter(|x| self.sets.get(j).is_none_or(|g| x.1 >= g.0));
+            if let Some(&(slot, d)) = single {
+                f(d, slot);
+                i += 1;
+                continue;
+            }
+            let Some((d, set)) = self.sets.get(j) else { return };
+            for (w, &word) in set.words().iter().enumerate() {
+                let mut m = word;
+                while m != 0 {
+                    f(*d, (w * 64) as Slot + m.trailing_zeros());
+                    m &= m - 1;
+                }
+            }
+            j += 1;
+        }
+    }
+
+    /// Matches in all.
+    pub fn len(&self) -> usize {
+        self.singles.len() + self.sets.iter().map(|(_, s)| s.len()).sum::<usize>()
+    }
+
+    /// No match.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The worker that held `slot` in this answer (`None` if it has left since).
+    pub fn worker(&self, slot: Slot) -> Option<WorkerId> {
+        self.registry.worker(slot)
+    }
+}
+
 /// How many leading hashes of `run` equal the query's.
 #[inline]
 fn common_len(run: impl AsRef<[u64]>, q: &[LocalHash]) -> usize {
-    run.as_ref().iter().zip(q).take_while(|(a, b)| **a == b.0).count()
+    let run = run.as_ref();
+    let n = run.len().min(q.len());
+    // Eight at a time without a branch per hash (the compiler compares them as vectors), then
+    // one by one in the chunk that differs.
+    let mut i = 0;
+    while i + 8 <= n {
+        let same = run[i..i + 8].iter().zip(&q[i..i + 8]).fold(true, |all, (a, b)| all & (*a == b.0));
+        if !same {
+            break;
+        }
+        i += 8;
+    }
+    i + run[i..n].iter().zip(&q[i..n]).take_while(|(a, b)| **a == b.0).count()
 }
 
 /// A lookup's working sets, reused across lookups on a thread.
@@ -313,8 +410,6 @@ struct Scratch {
     /// The current run's `(slot, cutoff)` of the workers read one by one, before they are
     /// compared with the hashes.
     cuts: Vec<(Slot, u32)>,
-    /// The current dense run's `(word, holders, full)` bits of the workers still matching.
-    dense: Vec<(usize, u64, u64)>,
     /// Sets of workers whose match ended together, with the depth.
     groups: Vec<(u32, SlotBits)>,
     /// Sets to reuse.

@@ -286,6 +286,16 @@ impl Run {
         unsafe { self.hashes.load(Ordering::Acquire, guard).as_ref() }.map_or_else(Default::default, Hashes::published)
     }
 
+    /// Reader: asks the CPU for the first lines of its hashes, which a lookup compares after
+    /// reading its coverage (the two chains of loads then overlap).
+    #[inline]
+    pub(crate) fn prefetch_hashes(&self, guard: &Guard) {
+        // SAFETY: as for `hashes`.
+        if let Some(h) = unsafe { self.hashes.load(Ordering::Acquire, guard).as_ref() } {
+            crate::index::linear::prefetch_lines(h.words.as_ptr().cast(), h.words.len().min(16) * 8);
+        }
+    }
+
     /// Reader: its coverage.
     #[inline]
     pub(crate) fn cover<'g>(&self, guard: &'g Guard) -> &'g Cover {

@@ -383,6 +383,20 @@ impl RunIndex {
             meta.tombs -= 1;
         }
         meta.kids += 1;
+        if let Cover::Dense(d) = run.cover(guard) {
+            d.mark(child.attach);
+        }
+    }
+
+    /// Marks, in `d` (the new dense cover of `run`, locked), the offsets where children hang.
+    fn mark_children(&self, run: &Run, d: &Dense, guard: &Guard) {
+        // SAFETY: the run is locked: its table is not replaced meanwhile.
+        if let Some(t) = unsafe { run.children.load(Ordering::Relaxed, guard).as_ref() } {
+            // SAFETY: linked children are alive while their parent is locked.
+            for (child, _) in t.each() {
+                d.mark(unsafe { &*child }.attach);
+            }
+        }
     }
 
     /// The worker holds `blocks` at offsets `off..` of `run`, whose lock `meta` is: its map
@@ -500,6 +514,7 @@ impl RunIndex {
                         let len = run.hashes(guard).len() as u32;
                         let d = Dense::from_list(l, len, width.max(slot as usize + 1));
                         d.set(slot, 0, to);
+                        self.mark_children(run, &d, guard);
                         meta.vacated = 0;
                         replace(Cover::Dense(d));
                     } else if let Some((i, reused)) = l.join(slot, to, meta.vacated > 0) {
