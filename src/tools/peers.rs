@@ -9,12 +9,28 @@
 //! take it: a list or map of every worker's depth, unsorted.
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex_core::index::{order_matches, ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
+use kvindex_core::index::{ApplyOutcome, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
 use kvindex_core::workers::{RegistryError, WorkerRegistry};
 use parking_lot::RwLock;
 use std::cell::{Cell, RefCell};
 
 use super::bench::Answering;
+
+/// A peer's answer cut to the `limit` deepest as cheaply as a router using the peer would: the
+/// best selected in linear time, only they sorted (deepest first, ties by worker id, the lowest
+/// ids kept at the cut: kvindex's rotation among ties is its own choice, not charged to peers).
+fn cheapest_cut(out: &mut Vec<WorkerMatch>, limit: Option<usize>) {
+    let order = |a: &WorkerMatch, b: &WorkerMatch| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker));
+    if let Some(k) = limit.filter(|&k| k < out.len()) {
+        if k == 0 {
+            out.clear();
+            return;
+        }
+        out.select_nth_unstable_by(k - 1, order);
+        out.truncate(k);
+    }
+    out.sort_unstable_by(order);
+}
 
 /// Workers by the peer's own id, so its scores can be named as kvindex names workers.
 #[derive(Default)]
@@ -144,7 +160,7 @@ macro_rules! peer {
                     }
                 });
                 drop(names);
-                order_matches(&mut out, opts.max_matches);
+                cheapest_cut(&mut out, opts.max_matches);
                 out
             }
 
@@ -306,7 +322,7 @@ mod dynamo {
             .filter(|&(w, depth)| depth > 0 && opts.workers.as_ref().is_none_or(|f| f.contains(&w.worker_id)))
             .map(|(w, depth)| WorkerMatch { worker: WorkerId::new(w.worker_id, w.dp_rank), blocks: depth })
             .collect();
-        order_matches(&mut out, opts.max_matches);
+        cheapest_cut(&mut out, opts.max_matches);
         out
     }
 }
@@ -696,7 +712,7 @@ impl KvIndex for SmgRadix {
             }
         });
         drop(names);
-        order_matches(&mut out, opts.max_matches);
+        cheapest_cut(&mut out, opts.max_matches);
         out
     }
 

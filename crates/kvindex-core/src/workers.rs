@@ -1121,6 +1121,38 @@ impl SlotBits {
         iter_of(&self.words)
     }
 
+    /// Calls `f` with `n` members in ascending order starting from the member of rank `start`
+    /// (counting from 0), going round to the lowest past the highest: a word's count at a time
+    /// to the start, then one member at a time.
+    pub fn each_from_rank(&self, start: usize, n: usize, mut f: impl FnMut(Slot)) {
+        let total = self.len();
+        if total == 0 || n == 0 {
+            return;
+        }
+        let (mut skip, mut left) = (start % total, n.min(total));
+        let mut i = 0;
+        while skip >= self.words[i].count_ones() as usize {
+            skip -= self.words[i].count_ones() as usize;
+            i += 1;
+        }
+        let mut m = self.words[i];
+        for _ in 0..skip {
+            m &= m - 1;
+        }
+        loop {
+            while m != 0 && left > 0 {
+                f((i * 64) as Slot + m.trailing_zeros());
+                m &= m - 1;
+                left -= 1;
+            }
+            if left == 0 {
+                return;
+            }
+            i = (i + 1) % self.words.len();
+            m = self.words[i];
+        }
+    }
+
     /// Heap bytes held.
     pub fn heap_bytes(&self) -> usize {
         self.words.capacity() * 8
@@ -1165,6 +1197,23 @@ mod tests {
         assert_eq!(r.intern(WorkerId::new(3, 0)), Err(RegistryError::Full(2)));
         drop(lookup);
         assert_eq!(r.intern(WorkerId::new(3, 0)).unwrap(), 0);
+    }
+
+    #[test]
+    fn members_from_a_rank_go_round() {
+        let mut set = SlotBits::default();
+        for s in [3, 70, 71, 200, 900] {
+            set.insert(s);
+        }
+        let from = |start, n| {
+            let mut got = Vec::new();
+            set.each_from_rank(start, n, |s| got.push(s));
+            got
+        };
+        assert_eq!(from(0, 2), vec![3, 70]);
+        assert_eq!(from(3, 4), vec![200, 900, 3, 70]);
+        assert_eq!(from(7, 9), vec![71, 200, 900, 3, 70], "at most every member, once");
+        assert_eq!(from(4, 0), Vec::<Slot>::new());
     }
 
     #[test]

@@ -89,6 +89,9 @@ pub struct DepthGroups {
     groups: Vec<(u32, u32)>,
     /// The workers, group after group, in no particular order within a group.
     workers: Vec<WorkerId>,
+    /// The last group is the part of a depth's workers that a cut kept (in the rotation's
+    /// order, which [`DepthGroups::to_matches`] keeps).
+    cut: bool,
 }
 
 impl DepthGroups {
@@ -96,6 +99,12 @@ impl DepthGroups {
     pub fn clear(&mut self) {
         self.groups.clear();
         self.workers.clear();
+        self.cut = false;
+    }
+
+    /// Marks the last group as the part of its depth a cut kept.
+    pub(crate) fn set_cut(&mut self) {
+        self.cut = true;
     }
 
     /// Appends a group of `workers` at `depth`, shallower than the last group (an empty
@@ -155,13 +164,17 @@ impl DepthGroups {
         self.iter().find(|(_, ws)| ws.contains(&worker)).map(|(d, _)| d)
     }
 
-    /// One match per worker, deepest first, ties by worker id.
+    /// One match per worker, deepest first, ties by worker id (the workers a cut kept at its
+    /// depth in the rotation's order).
     pub fn to_matches(&self) -> Vec<WorkerMatch> {
         let mut out = Vec::with_capacity(self.len());
-        for (blocks, ws) in self.iter() {
+        let last = self.groups.len().saturating_sub(1);
+        for (i, (blocks, ws)) in self.iter().enumerate() {
             let from = out.len();
             out.extend(ws.iter().map(|&worker| WorkerMatch { worker, blocks }));
-            out[from..].sort_unstable_by_key(|m| m.worker);
+            if !(self.cut && i == last) {
+                out[from..].sort_unstable_by_key(|m| m.worker);
+            }
         }
         out
     }
@@ -297,7 +310,8 @@ pub trait KvIndex: Send + Sync + 'static {
     fn worker_id(w: &Self::Writer) -> WorkerId;
 
     /// Workers holding at least the first block of `query`, with their contiguous match
-    /// depth, deepest first (ties by worker id; see [`MatchOptions::max_matches`] for a cut).
+    /// depth, deepest first (ties by worker id; those a cut kept at its depth in the order the
+    /// rotation kept them: see [`MatchOptions::max_matches`]).
     ///
     /// Each worker's depth is its depth in one state it passed through while the lookup ran,
     /// and the worker named is the one that held it (see the [module doc](self)).

@@ -264,19 +264,21 @@ impl RunIndex {
                 room -= here;
             } else {
                 let mut tied = s.spare.pop().unwrap_or_default();
-                tied.clear();
+                tied.clear_to(sets_here.iter().map(|(_, g)| g.words().len()).max().unwrap_or(0));
                 ones.iter().for_each(|&(slot, _)| tied.insert(slot));
                 for (_, g) in sets_here {
                     for (t, &w) in tied.words_mut().iter_mut().zip(g.words()) {
                         *t |= w;
                     }
-                    if g.words().len() > tied.words().len() {
-                        g.iter().for_each(|slot| tied.insert(slot));
-                    }
                 }
                 let start = super::rotation(tied.len(), room);
-                let kept = tied.iter().skip(start).chain(tied.iter().take(start)).take(room);
-                out.push_group(d, kept.filter_map(|slot| reg.worker(slot)));
+                tied.each_from_rank(start, room, |slot| {
+                    if let Some(w) = reg.worker(slot) {
+                        out.push_worker(w);
+                    }
+                });
+                out.close_group(d);
+                out.set_cut();
                 s.spare.push(tied);
                 break;
             }
