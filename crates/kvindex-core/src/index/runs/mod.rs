@@ -144,22 +144,49 @@ impl RunIndex {
             let k;
             match run.cover(guard) {
                 Cover::List(l) => {
+                    // One pass with the match length of the hashes read first. A cutoff past
+                    // them (a writer appended and published since) would need hashes read
+                    // after it: then, rarely, the run is read again, coverage first.
+                    let hashes = run.hashes(guard);
+                    let (seen_len, k0) = (hashes.len(), common_len(&hashes, &q[pos..]));
+                    let outs = s.out.len();
                     s.seen.clear_to(width);
-                    let (alive, seen, cuts) = (&s.alive, &mut s.seen, &mut s.cuts);
+                    let mut past = false;
+                    let (alive, seen, next, out) = (&s.alive, &mut s.seen, &mut s.next, &mut s.out);
                     l.scan(|slot, cut| {
                         if alive.contains(slot) && !seen.contains(slot) {
                             seen.insert(slot);
-                            cuts.push((slot, cut));
+                            past |= cut as usize > seen_len;
+                            if cut as usize >= k0 {
+                                next.insert(slot);
+                            } else {
+                                out.push((slot, (pos + cut as usize) as u32));
+                            }
                         }
                     });
-                    k = common_len(run.hashes(guard), &q[pos..]);
-                    for &(slot, cut) in &s.cuts {
-                        if cut as usize >= k {
-                            s.next.insert(slot);
-                        } else {
-                            s.out.push((slot, (pos + cut as usize) as u32));
+                    k = if past && k0 == seen_len {
+                        s.out.truncate(outs);
+                        s.next.clear_to(width);
+                        s.seen.clear_to(width);
+                        let (alive, seen, cuts) = (&s.alive, &mut s.seen, &mut s.cuts);
+                        l.scan(|slot, cut| {
+                            if alive.contains(slot) && !seen.contains(slot) {
+                                seen.insert(slot);
+                                cuts.push((slot, cut));
+                            }
+                        });
+                        let k = common_len(run.hashes(guard), &q[pos..]);
+                        for &(slot, cut) in &s.cuts {
+                            if cut as usize >= k {
+                                s.next.insert(slot);
+                            } else {
+                                s.out.push((slot, (pos + cut as usize) as u32));
+                            }
                         }
-                    }
+                        k
+                    } else {
+                        k0
+                    };
                     for ((e, &a), &h) in ended.words_mut().iter_mut().zip(s.alive.words()).zip(s.seen.words()) {
                         *e = a & !h;
                     }
