@@ -28,6 +28,11 @@ pub struct Config {
     pub nats_url: String,
     /// Subject prefix: one per model or deployment.
     pub prefix: String,
+    /// Shards of the deployment: each applies the events of its own workers, as the NATS
+    /// server's subject mapping partitions them (1: one index holds every worker).
+    pub shards: u32,
+    /// This daemon's shard, from 0 (below `shards`).
+    pub shard: u32,
     /// Where `/metrics`, `/healthz` and `/readyz` are served.
     pub metrics_addr: String,
     /// Where the inspect API (`/v1/workers`, `/v1/lookup`, a worker's blocks) is served; empty:
@@ -192,6 +197,8 @@ impl Default for Config {
         Config {
             nats_url: "nats://127.0.0.1:4222".into(),
             prefix: "kv".into(),
+            shards: 1,
+            shard: 0,
             metrics_addr: "0.0.0.0:9464".into(),
             inspect_addr: "127.0.0.1:9466".into(),
             inspect_token: None,
@@ -295,6 +302,10 @@ pub struct Overrides {
     pub worker_ttl: Option<u64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<Backend>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shards: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shard: Option<u32>,
 }
 
 /// A provider under a name of ours, so that `kvindex config` can tell the layers apart.
@@ -435,6 +446,21 @@ impl Config {
         Ok(servers)
     }
 
+    /// In a sharded deployment, this daemon's shard of how many (`None`: not sharded).
+    pub fn shard_of(&self) -> Option<kvindex_client::protocol::ShardOf> {
+        (self.shards > 1).then_some(kvindex_client::protocol::ShardOf { shard: self.shard, shards: self.shards })
+    }
+
+    /// What the NATS mapping appends to a worker's subjects for this daemon's shard (`.k`), or
+    /// nothing when the deployment is not sharded.
+    pub fn shard_suffix(&self) -> String {
+        if self.shards > 1 {
+            format!(".{}", self.shard)
+        } else {
+            String::new()
+        }
+    }
+
     fn validate(&self) -> Result<(), String> {
         let bad = |key: &str, why: &str| Err(format!("configuration: {key}: {why}"));
         if let Err(why) = self.nats_servers() {
@@ -442,6 +468,9 @@ impl Config {
         }
         if self.prefix.is_empty() || self.prefix.contains(['*', '>', ' ']) || self.prefix.ends_with('.') {
             return bad("prefix", "must be a non-empty NATS subject without wildcards, spaces or a trailing dot");
+        }
+        if self.shards == 0 || self.shard >= self.shards {
+            return bad("shard", "shards at least 1, and shard from 0 to shards - 1");
         }
         if self.metrics_addr.parse::<std::net::SocketAddr>().is_err() {
             return bad("metrics_addr", "must be host:port with an IP address, e.g. 0.0.0.0:9464");

@@ -344,6 +344,12 @@ struct ServeArgs {
     /// Index backend: runs (the default) or positional [KVINDEX_BACKEND].
     #[arg(long)]
     backend: Option<Backend>,
+    /// Shards of a deployment sharded by worker [KVINDEX_SHARDS].
+    #[arg(long)]
+    shards: Option<u32>,
+    /// This daemon's shard, from 0 [KVINDEX_SHARD].
+    #[arg(long)]
+    shard: Option<u32>,
 }
 
 #[derive(Args)]
@@ -648,6 +654,8 @@ impl ServeArgs {
             apply_threads: self.apply_threads,
             worker_ttl: self.worker_ttl,
             backend: self.backend,
+            shards: self.shards,
+            shard: self.shard,
         }
     }
 }

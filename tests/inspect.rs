@@ -113,7 +113,13 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     };
     assert_eq!(
         over_http,
-        LookupResponse::Matches { matches: vec![entry(1, 3, false), entry(2, 1, true)], groups: vec![], stale_workers: vec![] }
+        LookupResponse::Matches {
+            matches: vec![entry(1, 3, false), entry(2, 1, true)],
+            groups: vec![],
+            shard: None,
+            missing_shards: vec![],
+            stale_workers: vec![]
+        }
     );
     // A request kvindex refuses, and a body that is no request, get error answers with the reason.
     let a3 = Api { addr: a.addr.clone(), token: None };

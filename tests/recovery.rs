@@ -756,7 +756,7 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
         ("SNAPSHOT_INTERVAL", "1"),
     ];
     let mut replicas: Vec<Option<DaemonProcess>> = (0..3).map(|_| Some(DaemonProcess::start(&url, &[], &env))).collect();
-    for d in replicas.iter().flatten() {
+    for d in replicas.iter_mut().flatten() {
         d.wait_ready(30).await;
     }
     // Publishers confirm every batch with the stream: one lost with a dying node is sent again.
@@ -811,7 +811,7 @@ async fn jetstream_cluster_loses_a_node_then_a_replica_then_every_replica() {
     nodes[0] = Some(js_cluster_node(0, client_ports, route_ports, &dir));
     fleet.run(100, Duration::from_millis(5)).await;
     caught_up(&js, &mut replicas, held(&fleet), "the NATS node back").await;
-    for d in replicas.iter().flatten() {
+    for d in replicas.iter_mut().flatten() {
         let back = d.wait_ready(CONVERGE_S).await;
         eprintln!("the NATS node back: replica {} in the lookup queue group after {} ms more", d.metrics_addr, back.as_millis());
     }

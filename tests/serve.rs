@@ -39,7 +39,7 @@ fn by_hashes(locals: &[u64]) -> LookupRequest {
 
 /// An answer of these matches and no stale worker without a match.
 fn answer(matches: Vec<MatchEntry>) -> LookupResponse {
-    LookupResponse::Matches { matches, groups: vec![], stale_workers: vec![] }
+    LookupResponse::Matches { matches, groups: vec![], shard: None, missing_shards: vec![], stale_workers: vec![] }
 }
 
 fn entry(worker_id: u64, blocks: u32, stale: bool) -> MatchEntry {
@@ -350,7 +350,7 @@ async fn readiness_waits_for_snapshots_but_not_past_the_timeout() {
     let mut broadcasts = c.subscribe("t.resync").await.unwrap();
     c.flush().await.unwrap();
     let env = [("READY_SETTLE_MS", "200"), ("READY_TIMEOUT", "3")];
-    let d = support::process::DaemonProcess::start(&nats.url(), &[], &env);
+    let mut d = support::process::DaemonProcess::start(&nats.url(), &[], &env);
     let started = std::time::Instant::now();
 
     // A publisher answers the start-up broadcast with a snapshot it never finishes.

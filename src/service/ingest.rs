@@ -101,7 +101,9 @@ impl Cursors {
 /// Applies one message from `{prefix}.events.{worker_id}`.
 pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
     let m = &state.metrics;
-    let Some(subject_id) = subject.strip_prefix(state.events_prefix.as_str()).and_then(canonical_id) else {
+    // Sharded, the NATS mapping appends this shard's number to the worker's subject.
+    let token = subject.strip_prefix(state.events_prefix.as_str()).and_then(|t| t.strip_suffix(state.shard_suffix.as_str()));
+    let Some(subject_id) = token.and_then(canonical_id) else {
         state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id in canonical decimal"));
         return;
     };

@@ -9,6 +9,11 @@
 //! - `POST /v1/lookup`: a lookup request as JSON (the fields of `LookupRequest`), answered as
 //!   over NATS.
 //!
+//! In a sharded deployment, `/v1/workers` and `/v1/lookup` answer for the whole deployment:
+//! they ask every shard over NATS (`{prefix}.inspect.workers`, `{prefix}.lookup`) and merge,
+//! naming the shards that did not answer (`missing_shards`); `?local=true` shows this shard's
+//! workers alone.
+//!
 //! With `inspect_token` set, every request needs `Authorization: Bearer <token>`.
 
 use super::lookup::{entries_that_fit, respond};
@@ -20,7 +25,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvindex_client::protocol::LookupRequest;
+use kvindex_client::protocol::{LookupRequest, LookupResponse};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
 use serde::{Deserialize, Serialize};
@@ -36,14 +41,21 @@ struct Inspect<I: KvIndex> {
     state: Arc<State>,
     index: Arc<I>,
     pool: Arc<ApplyPool<I>>,
+    /// The daemon's NATS connection: a sharded deployment's other shards are asked over it.
+    client: async_nats::Client,
 }
 
-/// `offset` and `limit` of a paged request.
-#[derive(Deserialize)]
+/// How long the inspect API waits for the other shards.
+const SHARDS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `offset` and `limit` of a paged request; `local`: this shard alone.
+#[derive(Clone, Copy, Deserialize, Serialize)]
 struct Page {
     #[serde(default)]
     offset: usize,
     limit: Option<usize>,
+    #[serde(default)]
+    local: bool,
 }
 
 impl Page {
@@ -58,7 +70,7 @@ impl Page {
 
 /// A worker's blocks per tier, in a hybrid model's other groups, and those routers announced
 /// for it that its events have not shown yet.
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Blocks {
     device: u64,
     host: u64,
@@ -70,11 +82,11 @@ struct Blocks {
 }
 
 /// Why a worker is stale.
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Stale {
-    /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `slow_consumer` or
-    /// `stale_in_snapshot` (OPERATIONS.md says what each means and what to do).
-    reason: &'static str,
+    /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `over_limit`,
+    /// `slow_consumer` or `stale_in_snapshot` (OPERATIONS.md says what each means and what to do).
+    reason: std::borrow::Cow<'static, str>,
     /// Milliseconds since it went stale.
     since_ms: u64,
     /// Resync requests sent to it since.
@@ -82,7 +94,7 @@ struct Stale {
 }
 
 /// One worker, as `GET /v1/workers` shows it.
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Worker {
     worker_id: u64,
     dp_rank: u32,
@@ -99,7 +111,7 @@ struct Worker {
 }
 
 /// A worker dropped for silence past `worker_ttl`.
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Expired {
     worker_id: u64,
     dp_rank: u32,
@@ -107,7 +119,7 @@ struct Expired {
     ago_ms: u64,
 }
 
-#[derive(Serialize)]
+#[derive(Serialize, Deserialize)]
 struct Workers {
     total: usize,
     offset: usize,
@@ -115,6 +127,9 @@ struct Workers {
     workers: Vec<Worker>,
     /// The workers dropped lately for silence, the newest first.
     expired: Vec<Expired>,
+    /// In a sharded deployment: the shards whose workers are missing (they did not answer).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    missing_shards: Vec<u32>,
 }
 
 fn ms(since: Instant, now: Instant) -> u64 {
@@ -122,50 +137,159 @@ fn ms(since: Instant, now: Instant) -> u64 {
 }
 
 async fn workers<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(page): Query<Page>) -> Response {
-    let pool = cx.pool.clone();
-    let Ok(held) = tokio::task::spawn_blocking(move || pool.held()).await else {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, "the apply threads did not answer");
-    };
-    let held: std::collections::HashMap<WorkerId, _> = held.into_iter().map(|h| (h.worker, h)).collect();
-    let mut tracked = cx.state.cursors.lock().view();
-    tracked.sort_unstable_by_key(|t| t.0);
-    let now = Instant::now();
-    let (range, next) = page.window(tracked.len());
-    let workers = tracked[range]
-        .iter()
-        .map(|&(w, epoch, next_id, last)| {
-            let h = held.get(&w);
-            Worker {
-                worker_id: w.worker_id,
-                dp_rank: w.dp_rank,
-                blocks: Blocks {
-                    device: h.map_or(0, |h| h.device),
-                    host: h.map_or(0, |h| h.host),
-                    disk: h.map_or(0, |h| h.disk),
-                    groups: h.map_or(0, |h| h.grouped),
-                    predicted: h.map_or(0, |h| h.predicted),
-                },
-                epoch,
-                next_event_id: next_id,
-                last_heard_ms: ms(last, now),
-                stale: cx.state.stale.get(&w).map(|r| Stale {
-                    reason: r.reason,
-                    since_ms: ms(r.since, now),
-                    resync_requests: r.attempts,
-                }),
-                queued: h.map_or(0, |h| h.queued),
-            }
+    if cx.state.cfg.shard_of().is_some() && !page.local {
+        return match gather_workers(&cx.client, &cx.state.cfg.prefix, page).await {
+            Ok(w) => Json(w).into_response(),
+            Err(why) => error(StatusCode::BAD_GATEWAY, &why),
+        };
+    }
+    match local_workers(&cx.state, &cx.pool, page).await {
+        Some(w) => Json(w).into_response(),
+        None => error(StatusCode::INTERNAL_SERVER_ERROR, "the apply threads did not answer"),
+    }
+}
+
+/// This daemon's workers, a page of them.
+async fn local_workers<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, page: Page) -> Option<Workers> {
+    let cx = LocalView { state, pool };
+    cx.workers(page).await
+}
+
+/// What a shard's own view of its workers reads.
+struct LocalView<'a, I: KvIndex> {
+    state: &'a Arc<State>,
+    pool: &'a Arc<ApplyPool<I>>,
+}
+
+impl<I: KvIndex> LocalView<'_, I> {
+    async fn workers(&self, page: Page) -> Option<Workers> {
+        let cx = self;
+        let pool = cx.pool.clone();
+        let held = tokio::task::spawn_blocking(move || pool.held()).await.ok()?;
+        let held: std::collections::HashMap<WorkerId, _> = held.into_iter().map(|h| (h.worker, h)).collect();
+        let mut tracked = cx.state.cursors.lock().view();
+        tracked.sort_unstable_by_key(|t| t.0);
+        let now = Instant::now();
+        let (range, next) = page.window(tracked.len());
+        let workers = tracked[range]
+            .iter()
+            .map(|&(w, epoch, next_id, last)| {
+                let h = held.get(&w);
+                Worker {
+                    worker_id: w.worker_id,
+                    dp_rank: w.dp_rank,
+                    blocks: Blocks {
+                        device: h.map_or(0, |h| h.device),
+                        host: h.map_or(0, |h| h.host),
+                        disk: h.map_or(0, |h| h.disk),
+                        groups: h.map_or(0, |h| h.grouped),
+                        predicted: h.map_or(0, |h| h.predicted),
+                    },
+                    epoch,
+                    next_event_id: next_id,
+                    last_heard_ms: ms(last, now),
+                    stale: cx.state.stale.get(&w).map(|r| Stale {
+                        reason: r.reason.into(),
+                        since_ms: ms(r.since, now),
+                        resync_requests: r.attempts,
+                    }),
+                    queued: h.map_or(0, |h| h.queued),
+                }
+            })
+            .collect();
+        let expired = cx
+            .state
+            .expired
+            .lock()
+            .iter()
+            .rev()
+            .map(|&(w, at)| Expired { worker_id: w.worker_id, dp_rank: w.dp_rank, ago_ms: ms(at, now) })
+            .collect();
+        Some(Workers {
+            total: tracked.len(),
+            offset: page.offset.min(tracked.len()),
+            next,
+            workers,
+            expired,
+            missing_shards: Vec::new(),
         })
-        .collect();
-    let expired = cx
-        .state
-        .expired
-        .lock()
-        .iter()
-        .rev()
-        .map(|&(w, at)| Expired { worker_id: w.worker_id, dp_rank: w.dp_rank, ago_ms: ms(at, now) })
-        .collect();
-    Json(Workers { total: tracked.len(), offset: page.offset.min(tracked.len()), next, workers, expired }).into_response()
+    }
+}
+
+/// Workers a gathered page may ask each shard for: its first `offset + limit`.
+const GATHER_MAX: usize = 2000;
+
+/// Every shard's workers, merged by worker: each shard is asked for its first `offset + limit`
+/// (sorted by worker), so the merged page is exact.
+async fn gather_workers(client: &async_nats::Client, prefix: &str, page: Page) -> Result<Workers, String> {
+    let limit = page.limit.unwrap_or(PAGE).clamp(1, GATHER_MAX);
+    let upto = Page { offset: 0, limit: Some(page.offset.saturating_add(limit).min(GATHER_MAX)), local: true };
+    let body = serde_json::to_vec(&upto).map_err(|e| e.to_string())?;
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
+    client.publish_with_reply(format!("{prefix}.inspect.workers"), inbox, body.into()).await.map_err(|e| e.to_string())?;
+    let deadline = tokio::time::Instant::now() + SHARDS_WAIT;
+    let (mut got, mut shards): (Vec<(u32, Workers)>, u32) = (Vec::new(), 0);
+    while shards == 0 || got.len() < shards as usize {
+        use futures::StreamExt;
+        let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await else { break };
+        if let Ok(r) = serde_json::from_slice::<ShardWorkers>(&msg.payload) {
+            shards = r.shards;
+            if !got.iter().any(|(k, _)| *k == r.shard) {
+                got.push((r.shard, r.workers));
+            }
+        }
+    }
+    let _ = replies.unsubscribe().await;
+    if got.is_empty() {
+        return Err("no shard answered on {prefix}.inspect.workers".into());
+    }
+    let missing_shards = (0..shards).filter(|k| !got.iter().any(|(s, _)| s == k)).collect();
+    let total = got.iter().map(|(_, w)| w.total).sum();
+    let mut all: Vec<Worker> = Vec::new();
+    let mut expired: Vec<Expired> = Vec::new();
+    for (_, w) in got {
+        all.extend(w.workers);
+        expired.extend(w.expired);
+    }
+    all.sort_unstable_by_key(|w| (w.worker_id, w.dp_rank));
+    let start = page.offset.min(all.len());
+    let workers: Vec<Worker> = all.drain(start..).take(limit).collect();
+    let next = (start + workers.len() < total).then_some(start + workers.len());
+    expired.sort_unstable_by_key(|e| e.ago_ms);
+    Ok(Workers { total, offset: start, next, workers, expired, missing_shards })
+}
+
+/// A shard's answer on `{prefix}.inspect.workers`.
+#[derive(Serialize, Deserialize)]
+struct ShardWorkers {
+    shard: u32,
+    shards: u32,
+    workers: Workers,
+}
+
+/// Answers `{prefix}.inspect.workers` for this shard (one replica of each shard answers each
+/// request), so that any replica's inspect API can show the whole deployment.
+pub(super) async fn workers_responder<I: KvIndex>(client: async_nats::Client, state: Arc<State>, pool: Arc<ApplyPool<I>>) {
+    use futures::StreamExt;
+    let Some(of) = state.cfg.shard_of() else { return };
+    let subject = format!("{}.inspect.workers", state.cfg.prefix);
+    let mut sub = match client.queue_subscribe(subject.clone(), format!("kvindex-shard-{}", of.shard)).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("cannot subscribe to {subject}: {e}; other replicas cannot list this shard's workers");
+            return;
+        }
+    };
+    while let Some(msg) = sub.next().await {
+        let Some(reply) = msg.reply else { continue };
+        let page = serde_json::from_slice::<Page>(&msg.payload).unwrap_or(Page { offset: 0, limit: None, local: true });
+        let Some(workers) = local_workers(&state, &pool, page).await else { continue };
+        let answer = ShardWorkers { shard: of.shard, shards: of.shards, workers };
+        if let Ok(body) = serde_json::to_vec(&answer) {
+            let _ = client.publish(reply, body.into()).await;
+        }
+    }
 }
 
 /// One line of a worker's dump: a `stored` op of the replay stream, or a block held past a
@@ -259,6 +383,27 @@ async fn blocks<I: KvIndex>(
 
 async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Bytes) -> Response {
     let req = serde_json::from_slice::<LookupRequest>(&body).map_err(|e| format!("not a lookup request: {e}"));
+    if let (Some(_), Ok(req)) = (cx.state.cfg.shard_of(), &req) {
+        // The whole deployment: every shard over NATS, merged as a router's client merges.
+        let lookups = kvindex_client::LookupClient::new(cx.client.clone(), &cx.state.cfg.prefix).with_timeout(SHARDS_WAIT);
+        let query = kvindex_client::Query { request: LookupRequest { grouped: true, ..req.clone() } };
+        return match lookups.lookup(&query).await {
+            Ok(a) => {
+                let resp = LookupResponse::Matches {
+                    matches: if req.grouped { Vec::new() } else { a.matches },
+                    groups: if req.grouped { a.groups } else { Vec::new() },
+                    shard: None,
+                    missing_shards: a.missing_shards,
+                    stale_workers: a.stale_workers,
+                };
+                (StatusCode::OK, Json(resp)).into_response()
+            }
+            Err(kvindex_client::ClientError::Rejected(error)) => {
+                (StatusCode::BAD_REQUEST, Json(LookupResponse::Error { error })).into_response()
+            }
+            Err(e) => error(StatusCode::BAD_GATEWAY, &e.to_string()),
+        };
+    }
     let (resp, ok) = respond(&cx.state, &cx.pool, entries_that_fit(1 << 20), req);
     let status = if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST };
     (status, Json(resp)).into_response()
@@ -287,9 +432,10 @@ pub(super) async fn inspect_server<I: KvIndex>(
     state: Arc<State>,
     index: Arc<I>,
     pool: Arc<ApplyPool<I>>,
+    client: async_nats::Client,
 ) {
     let token: Option<Arc<str>> = state.cfg.inspect_token.as_deref().map(Arc::from);
-    let cx = Arc::new(Inspect { state, index, pool });
+    let cx = Arc::new(Inspect { state, index, pool, client });
     let app = axum::Router::new()
         .route("/v1/workers", get(workers::<I>))
         .route("/v1/workers/{worker_id}/{dp_rank}/blocks", get(blocks::<I>))

@@ -50,7 +50,12 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
         let mut subs = Vec::with_capacity(subscribers);
         for _ in 0..subscribers {
-            match client.queue_subscribe(subject.clone(), "kvindex".into()).await {
+            // One queue group per shard: a lookup reaches one replica of every shard.
+            let group = match state.cfg.shard_of() {
+                Some(s) => format!("kvindex-shard-{}", s.shard),
+                None => "kvindex".to_string(),
+            };
+            match client.queue_subscribe(subject.clone(), group).await {
                 Ok(sub) => subs.push(sub),
                 Err(e) => state.log.warn("lookup_subscribe", || format!("cannot subscribe to {subject}: {e}")),
             }
@@ -131,7 +136,9 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, pool: &ApplyPool<I>,
     }
     // Every replica keeps the announcement, this one included: it goes out as a router's would.
     if let (Some(routed), true) = (routed, ok) {
-        let _ = client.publish(format!("{}.routed", state.cfg.prefix), routed.encode().into()).await;
+        // To the worker's subject: sharded, the NATS mapping takes it to the worker's shard.
+        let subject = format!("{}.routed.{}", state.cfg.prefix, routed.worker_id);
+        let _ = client.publish(subject, routed.encode().into()).await;
     }
     let hot = &state.metrics.hot;
     let (count, duration) =
@@ -237,7 +244,13 @@ fn matches<I: KvIndex>(state: &State, pool: &ApplyPool<I>, ask: &Ask) -> LookupR
         found.iter().map(|e| WorkerId::new(e.worker_id, e.dp_rank)).collect()
     };
     let stale_workers = stale_without_match(state, &listed, opts.workers.as_deref(), room.saturating_sub(used));
-    LookupResponse::Matches { matches, groups: if grouped { groups } else { Vec::new() }, stale_workers }
+    LookupResponse::Matches {
+        matches,
+        groups: if grouped { groups } else { Vec::new() },
+        shard: state.cfg.shard_of(),
+        missing_shards: Vec::new(),
+        stale_workers,
+    }
 }
 
 /// Every match in every asked tier, hybrid workers lowered to what all their groups serve,
@@ -425,6 +438,8 @@ mod tests {
                 let answer = LookupResponse::Matches {
                     matches: vec![widest.clone(); split],
                     groups: vec![],
+                    shard: None,
+                    missing_shards: vec![],
                     stale_workers: vec![stale; n - split],
                 };
                 assert!(answer.encode().len() <= max_payload, "{split} of {n} entries overflow {max_payload}");

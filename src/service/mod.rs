@@ -71,6 +71,8 @@ struct State {
     cfg: Config,
     /// `{prefix}.events.`, the part of an events subject before the worker id.
     events_prefix: String,
+    /// `.k` in shard `k` of a sharded deployment (the NATS mapping's suffix), else empty.
+    shard_suffix: String,
     metrics: Arc<Metrics>,
     cursors: Mutex<Cursors>,
     /// Stale workers and the resync requests sent to each.
@@ -303,7 +305,9 @@ type Events = (EventStream, bool);
 async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>>) -> anyhow::Result<Events> {
     let cfg = &state.cfg;
     if cfg.ingest == Ingest::Core {
-        let sub = client.subscribe(format!("{}*", state.events_prefix)).await.context("subscribing to events")?;
+        // Sharded: only this shard's workers, as the NATS server's mapping partitions them.
+        let subject = format!("{}*{}", state.events_prefix, state.shard_suffix);
+        let sub = client.subscribe(subject).await.context("subscribing to events")?;
         return Ok((Box::pin(sub.map(|m| Incoming { subject: m.subject, payload: m.payload, pending: None, seq: None })), false));
     }
     use async_nats::jetstream::{self, consumer, stream};
@@ -353,8 +357,11 @@ async fn ordered_from(
     let name = state.cfg.stream_name();
     let stream = js.get_stream(&name).await.map_err(|e| anyhow::anyhow!("binding stream {name}: {e}"))?;
     let last = stream.cached_info().state.last_sequence;
+    // Sharded: one stream for every shard, each shard's consumer reading its own workers.
+    let filter_subject =
+        if state.cfg.shards > 1 { format!("{}*{}", state.events_prefix, state.shard_suffix) } else { String::new() };
     let ordered = stream
-        .create_consumer(consumer::pull::OrderedConfig { deliver_policy, ..Default::default() })
+        .create_consumer(consumer::pull::OrderedConfig { deliver_policy, filter_subject, ..Default::default() })
         .await
         .map_err(|e| anyhow::anyhow!("creating a consumer of stream {name}: {e}"))?;
     let messages = ordered.messages().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?;
@@ -504,6 +511,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         stream_seq: AtomicU64::new(0),
         snapshot_written: AtomicU64::new(0),
         events_prefix: events_prefix(&cfg),
+        shard_suffix: cfg.shard_suffix(),
         routed_only: Arc::new(cfg.routed_only()),
         cfg: cfg.clone(),
     });
@@ -614,10 +622,12 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
         tokio::spawn(recovery::ttl_loop(state.clone(), pool.clone())),
         tokio::spawn(recovery::readiness_loop(state.clone())),
         tokio::spawn(routed::routed_loop(client.clone(), state.clone(), pool.clone())),
+        tokio::spawn(inspect::workers_responder(client.clone(), state.clone(), pool.clone())),
         tokio::spawn(http::http_server(http, state.clone(), index.clone(), pool.clone())),
     ];
-    let inspecting =
-        inspect.map(|listener| tokio::spawn(inspect::inspect_server(listener, state.clone(), index.clone(), pool.clone())));
+    let inspecting = inspect.map(|listener| {
+        tokio::spawn(inspect::inspect_server(listener, state.clone(), index.clone(), pool.clone(), client.clone()))
+    });
     // In the lookup queue group only while ready: a replica rebuilding its index (after a
     // start or a reconnect) leaves lookups to the complete ones.
     let (stop_lookups, stopped) = tokio::sync::watch::channel(false);

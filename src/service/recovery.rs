@@ -117,7 +117,11 @@ pub(super) async fn broadcast_resync(client: &Client, state: &State) {
 
 /// Publishes the resync broadcast that every publisher answers with its snapshot.
 async fn ask_everyone(client: &Client, state: &State) {
-    match client.publish(format!("{}.resync", state.cfg.prefix), bytes::Bytes::new()).await {
+    // Sharded, the payload names the shard: only its workers' publishers answer.
+    let payload = state.cfg.shard_of().map_or_else(bytes::Bytes::new, |s| {
+        kvindex_client::protocol::ResyncShard { shard: s.shard, shards: s.shards }.encode().into()
+    });
+    match client.publish(format!("{}.resync", state.cfg.prefix), payload).await {
         Ok(()) => state.metrics.resync_requests.with_label_values(&["all"]).inc(),
         Err(e) => state.log.warn("resync_broadcast", || format!("could not broadcast a resync request: {e}")),
     }

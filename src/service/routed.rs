@@ -9,6 +9,7 @@ use crate::apply::{Announcing, ApplyPool, OnAnnounced};
 use async_nats::Client;
 use futures::StreamExt;
 use kvindex_client::protocol::Routed;
+use kvindex_client::shards::partition;
 use kvindex_core::index::KvIndex;
 use kvindex_core::WorkerId;
 use std::sync::Arc;
@@ -60,14 +61,21 @@ pub(super) fn announcing<I: KvIndex>(state: &Arc<State>, predicted: Arc<I>) -> A
 
 /// Takes announcements until the subscription ends, and drops expired ones meanwhile.
 pub(super) async fn routed_loop<I: KvIndex>(client: Client, state: Arc<State>, pool: Arc<ApplyPool<I>>) {
-    let subject = format!("{}.routed", state.cfg.prefix);
-    let mut sub = match client.subscribe(subject.clone()).await {
-        Ok(sub) => sub,
-        Err(e) => {
-            tracing::error!("cannot subscribe to {subject}: {e}; announcements are not kept");
-            return;
+    // Announcements on the worker's subject (`routed.{worker}`, sharded: mapped to the
+    // worker's shard, `routed.{worker}.{k}`), and on the bare subject routers of the first
+    // protocol used (sharded, each shard keeps those of its own workers).
+    let prefix = &state.cfg.prefix;
+    let mut subs = Vec::new();
+    for subject in [format!("{prefix}.routed"), format!("{prefix}.routed.*{}", state.shard_suffix)] {
+        match client.subscribe(subject.clone()).await {
+            Ok(sub) => subs.push(sub),
+            Err(e) => {
+                tracing::error!("cannot subscribe to {subject}: {e}; announcements are not kept");
+                return;
+            }
         }
-    };
+    }
+    let mut sub = futures::stream::select_all(subs);
     let mut tick = tokio::time::interval(EXPIRE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     loop {
@@ -112,6 +120,10 @@ fn take<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>
                 let _ = client.publish(reply, bytes::Bytes::new()).await;
             });
         }
+        return;
+    }
+    if state.cfg.shard_of().is_some_and(|s| partition(routed.worker_id, s.shards) != s.shard) {
+        // Another shard's worker, on the bare subject every shard hears: that shard keeps it.
         return;
     }
     let worker = WorkerId::new(routed.worker_id, routed.dp_rank);

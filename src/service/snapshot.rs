@@ -83,10 +83,16 @@ pub(super) fn cut<I: KvIndex>(state: &State, pool: &ApplyPool<I>, stream_seq: u6
 
 /// The snapshot bucket of `state`'s stream.
 fn bucket(state: &State) -> String {
-    format!("{}_SNAPSHOTS", state.cfg.stream_name())
+    format!("{}_SNAPSHOTS{}", state.cfg.stream_name(), shard_tag(state))
 }
 
 /// Object names sort by the stream sequence they reflect.
+/// What tells one shard's snapshots and lease from another's (each shard saves its own
+/// workers): `_S{k}OF{S}`, or nothing when the deployment is not sharded.
+fn shard_tag(state: &State) -> String {
+    state.cfg.shard_of().map_or_else(String::new, |s| format!("_S{}OF{}", s.shard, s.shards))
+}
+
 fn object_name(stream_seq: u64) -> String {
     format!("index-{stream_seq:020}")
 }
@@ -241,7 +247,7 @@ impl Lease {
     /// Renews the lease, or takes it if it is free; whether this replica holds it.
     async fn hold(&mut self, js: &jetstream::Context, state: &State, me: &bytes::Bytes) -> bool {
         if self.bucket.is_none() {
-            let name = format!("{}_LEASE", state.cfg.stream_name());
+            let name = format!("{}_LEASE{}", state.cfg.stream_name(), shard_tag(state));
             // The bucket's stream, made directly: `create_key_value` first reads the account
             // info, whose reply from nats-server 2.9 this client cannot parse.
             let made = js

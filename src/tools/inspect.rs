@@ -143,7 +143,7 @@ pub fn workers_table(all: &[Value]) -> String {
 pub fn answer_table(resp: &LookupResponse) -> String {
     match resp {
         LookupResponse::Error { error } => format!("error: {error}\n"),
-        LookupResponse::Matches { matches, groups, stale_workers } => {
+        LookupResponse::Matches { matches, groups, stale_workers, .. } => {
             let mut s = format!("{:>20} {:>5} {:>8} {:>6}\n", "worker", "rank", "blocks", "stale");
             let grouped: Vec<_> = groups.iter().flat_map(kvindex_client::protocol::MatchGroup::entries).collect();
             let matches = if matches.is_empty() { &grouped } else { matches };

@@ -120,5 +120,6 @@ pub async fn publish(c: &async_nats::Client, worker: u64, events: Vec<kvindex_cl
     c.flush().await.expect("flushed");
 }
 
+pub mod cluster;
 pub mod engine;
 pub mod process;

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 pub struct DaemonProcess {
     child: Option<Child>,
     pub metrics_addr: String,
+    pub inspect_addr: String,
     args: Vec<String>,
     env: Vec<(String, String)>,
     pub log: PathBuf,
@@ -43,9 +44,30 @@ impl DaemonProcess {
             std::process::id(),
             metrics_addr.replace([':', '.'], "-")
         ));
-        let mut d = DaemonProcess { child: None, metrics_addr, args, env, log };
+        let mut d = DaemonProcess { child: None, metrics_addr, inspect_addr, args, env, log };
         d.launch();
         d
+    }
+
+    /// Another process may take a port between our choosing it and the daemon binding it:
+    /// then the daemon exits at once, and is started again on fresh ports.
+    fn relaunch_if_port_taken(&mut self) -> bool {
+        let exited = self.child.as_mut().is_some_and(|c| matches!(c.try_wait(), Ok(Some(_))));
+        if !exited || !self.log_text().contains("Address already in use") {
+            return false;
+        }
+        let (metrics, inspect) = (format!("127.0.0.1:{}", free_port()), format!("127.0.0.1:{}", free_port()));
+        for a in self.args.iter_mut() {
+            if *a == self.metrics_addr {
+                *a = metrics.clone();
+            } else if *a == self.inspect_addr {
+                *a = inspect.clone();
+            }
+        }
+        (self.metrics_addr, self.inspect_addr) = (metrics, inspect);
+        let _ = std::fs::write(&self.log, "");
+        self.launch();
+        true
     }
 
     fn launch(&mut self) {
@@ -62,9 +84,12 @@ impl DaemonProcess {
     }
 
     /// Waits until `/readyz` answers 200; returns how long that took from now.
-    pub async fn wait_ready(&self, secs: u64) -> Duration {
+    pub async fn wait_ready(&mut self, secs: u64) -> Duration {
         let start = Instant::now();
         while http_get(&self.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
+            if self.relaunch_if_port_taken() {
+                continue;
+            }
             assert!(start.elapsed() < Duration::from_secs(secs), "kvindex not ready in {secs} s; log:\n{}", self.log_text());
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -8,7 +8,10 @@
 //! - [`publisher`]: the engine side: keeps the worker's block set, numbers and batches
 //!   events, sends heartbeats, answers kvindex's resync requests with snapshots.
 //! - [`lookup`]: the router side: [`LookupClient`] asks kvindex which workers hold the
-//!   longest prefix of a request, by tokens or by local hashes.
+//!   longest prefix of a request, by tokens or by local hashes, every shard of a sharded
+//!   deployment at once.
+//! - [`shards`]: a deployment sharded by worker: the shard that owns a worker (as the NATS
+//!   server partitions subjects), and the merge of the shards' answers.
 //! - [`error`]: [`ClientError`], what can go wrong talking to NATS and kvindex.
 //!
 //! Block identity (token hashing, the event type) comes from [`kvindex_core`], re-exported
@@ -20,6 +23,7 @@ pub mod error;
 pub mod lookup;
 pub mod protocol;
 pub mod publisher;
+pub mod shards;
 
 pub use error::ClientError;
 pub use kvindex_core as core;

@@ -16,10 +16,40 @@
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, Routed, WorkerRef};
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, Routed, ShardOf, WorkerRef};
+use crate::shards::{merge, ShardAnswer};
 use async_nats::{Client, RequestErrorKind, Subject};
+use futures::StreamExt;
 use kvindex_core::LocalHash;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
+
+/// One reply's matches, before it becomes an [`Answer`].
+struct Reply {
+    matches: Vec<MatchEntry>,
+    groups: Vec<MatchGroup>,
+    stale_workers: Vec<WorkerRef>,
+}
+
+impl Reply {
+    fn into_answer(self, shards: u32, missing_shards: Vec<u32>) -> Answer {
+        let matches =
+            if self.matches.is_empty() { self.groups.iter().flat_map(MatchGroup::entries).collect() } else { self.matches };
+        Answer { matches, groups: self.groups, stale_workers: self.stale_workers, missing_shards, shards }
+    }
+}
+
+/// A reply's matches and, from a shard, which shard of how many it is.
+fn decode(payload: &[u8]) -> Result<(Reply, Option<ShardOf>), ClientError> {
+    match rmp_serde::from_slice::<LookupResponse>(payload) {
+        Ok(LookupResponse::Matches { matches, groups, stale_workers, shard, .. }) => {
+            Ok((Reply { matches, groups, stale_workers }, shard.filter(|s| s.shards > 1)))
+        }
+        Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
+        Err(e) => Err(ClientError::BadAnswer(e.to_string())),
+    }
+}
 
 /// What to look up: a request's tokens (kvindex hashes them) or its local hashes.
 #[derive(Clone, Debug, Default)]
@@ -126,9 +156,20 @@ pub struct Answer {
     pub groups: Vec<MatchGroup>,
     /// Stale workers that match nothing: they may hold the prefix without kvindex knowing yet.
     pub stale_workers: Vec<WorkerRef>,
+    /// Shards of a sharded deployment that did not answer in time: the workers they own are
+    /// missing from this answer (empty when it is whole). A router can wait and ask again, or
+    /// route on what it has.
+    pub missing_shards: Vec<u32>,
+    /// How many shards answered for the deployment (1 when it is not sharded).
+    pub shards: u32,
 }
 
 impl Answer {
+    /// Whether some shard did not answer (see [`Answer::missing_shards`]).
+    pub fn is_partial(&self) -> bool {
+        !self.missing_shards.is_empty()
+    }
+
     /// The deepest match that is not stale, if any.
     pub fn best(&self) -> Option<&MatchEntry> {
         self.matches.iter().find(|m| !m.stale)
@@ -146,6 +187,9 @@ pub struct LookupClient {
     routed: Subject,
     /// How long one lookup may take before [`ClientError::Timeout`].
     timeout: Duration,
+    /// What the answers said of the deployment: 0 not known yet, 1 one index (a lookup is
+    /// one request), more: the shards a lookup gathers.
+    shards: Arc<AtomicU32>,
 }
 
 impl LookupClient {
@@ -157,6 +201,7 @@ impl LookupClient {
             subject: format!("{prefix}.lookup").into(),
             routed: format!("{prefix}.routed").into(),
             timeout: Duration::from_millis(100),
+            shards: Arc::new(AtomicU32::new(0)),
         }
     }
 
@@ -166,31 +211,80 @@ impl LookupClient {
         self
     }
 
-    /// Which workers hold the longest prefix of the query: see [`Answer`].
+    /// Which workers hold the longest prefix of the query: see [`Answer`]. In a sharded
+    /// deployment, every shard is asked at once and their answers are merged into the answer
+    /// one index would give ([`crate::shards::merge`]); a shard that does not answer within the
+    /// timeout is named in [`Answer::missing_shards`] rather than silently left out.
     pub async fn lookup(&self, query: &Query) -> Result<Answer, ClientError> {
-        let payload = rmp_serde::to_vec_named(&query.request).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
-        let asked = self.client.request(self.subject.clone(), payload.into());
-        let reply = match tokio::time::timeout(self.timeout, asked).await {
-            Err(_) => return Err(self.timed_out()),
-            Ok(Err(e)) => {
-                return Err(match e.kind() {
-                    RequestErrorKind::NoResponders => ClientError::NoKvindex { subject: self.subject.to_string() },
-                    RequestErrorKind::TimedOut => self.timed_out(),
-                    RequestErrorKind::Other => ClientError::Nats(e.to_string()),
-                })
-            }
-            Ok(Ok(m)) => m,
-        };
-        match rmp_serde::from_slice::<LookupResponse>(&reply.payload) {
-            Ok(LookupResponse::Matches { mut matches, groups, stale_workers }) => {
-                if matches.is_empty() {
-                    matches = groups.iter().flat_map(MatchGroup::entries).collect();
+        let payload: bytes::Bytes =
+            rmp_serde::to_vec_named(&query.request).map_err(|e| ClientError::BadAnswer(e.to_string()))?.into();
+        let limit = query.request.max_matches.map(|m| m as usize);
+        if self.shards.load(Ordering::Relaxed) == 1 {
+            // One index (as far as the last answer said): one request, one answer.
+            let asked = self.client.request(self.subject.clone(), payload.clone());
+            let reply = match tokio::time::timeout(self.timeout, asked).await {
+                Err(_) => return Err(self.timed_out()),
+                Ok(Err(e)) => {
+                    return Err(match e.kind() {
+                        RequestErrorKind::NoResponders => ClientError::NoKvindex { subject: self.subject.to_string() },
+                        RequestErrorKind::TimedOut => self.timed_out(),
+                        RequestErrorKind::Other => ClientError::Nats(e.to_string()),
+                    })
                 }
-                Ok(Answer { matches, groups, stale_workers })
+                Ok(Ok(m)) => m,
+            };
+            match decode(&reply.payload)? {
+                (answer, None) => return Ok(answer.into_answer(1, Vec::new())),
+                // The deployment is sharded now: gather every shard.
+                (_, Some(of)) => self.shards.store(of.shards.max(1), Ordering::Relaxed),
             }
-            Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
-            Err(e) => Err(ClientError::BadAnswer(e.to_string())),
         }
+        self.gather(payload, limit).await
+    }
+
+    /// Asks every shard at once and merges what comes back before the timeout.
+    async fn gather(&self, payload: bytes::Bytes, limit: Option<usize>) -> Result<Answer, ClientError> {
+        let nats = |e: &dyn std::fmt::Display| ClientError::Nats(e.to_string());
+        let inbox = self.client.new_inbox();
+        let mut replies = self.client.subscribe(inbox.clone()).await.map_err(|e| nats(&e))?;
+        self.client.publish_with_reply(self.subject.clone(), inbox, payload).await.map_err(|e| nats(&e))?;
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let (mut answers, mut shards): (Vec<ShardAnswer>, u32) = (Vec::new(), 0);
+        let mut whole = None;
+        while shards == 0 || answers.len() < shards as usize {
+            let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(_) => break,
+            };
+            if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                let _ = replies.unsubscribe().await;
+                return Err(ClientError::NoKvindex { subject: self.subject.to_string() });
+            }
+            match decode(&msg.payload)? {
+                (answer, None) => {
+                    whole = Some(answer);
+                    break;
+                }
+                (answer, Some(of)) => {
+                    shards = of.shards.max(1);
+                    if !answers.iter().any(|a| a.shard == of.shard) {
+                        answers.push(ShardAnswer { shard: of.shard, groups: answer.groups, stale_workers: answer.stale_workers });
+                    }
+                }
+            }
+        }
+        let _ = replies.unsubscribe().await;
+        if let Some(answer) = whole {
+            self.shards.store(1, Ordering::Relaxed);
+            return Ok(answer.into_answer(1, Vec::new()));
+        }
+        if answers.is_empty() {
+            return Err(self.timed_out());
+        }
+        self.shards.store(shards, Ordering::Relaxed);
+        let (groups, stale_workers) = merge(&answers, shards, limit);
+        let missing = (0..shards).filter(|k| !answers.iter().any(|a| a.shard == *k)).collect();
+        Ok(Reply { groups, stale_workers, matches: Vec::new() }.into_answer(shards, missing))
     }
 
     /// Announces that the query's request was sent to worker `worker_id`, rank `dp_rank`
@@ -199,14 +293,21 @@ impl LookupClient {
     /// new prefix find it. For a routed-only worker (approximate mode) they are its blocks.
     pub async fn announce(&self, query: &Query, worker_id: u64, dp_rank: u32) -> Result<(), ClientError> {
         let payload = query.routed(worker_id, dp_rank).encode();
-        self.client.publish(self.routed.clone(), payload.into()).await.map_err(|e| ClientError::Nats(e.to_string()))
+        let subject = self.routed_to(worker_id);
+        self.client.publish(subject, payload.into()).await.map_err(|e| ClientError::Nats(e.to_string()))
+    }
+
+    /// `{prefix}.routed.{worker_id}`: in a sharded deployment the NATS server maps it to the
+    /// shard that owns the worker, as it maps the worker's events.
+    fn routed_to(&self, worker_id: u64) -> String {
+        format!("{}.{worker_id}", self.routed)
     }
 
     /// As [`LookupClient::announce`], returning once a kvindex replica has applied it: that
     /// replica's next answers include it (other replicas apply it on their own time).
     pub async fn announce_applied(&self, query: &Query, worker_id: u64, dp_rank: u32) -> Result<(), ClientError> {
         let payload = query.routed(worker_id, dp_rank).encode();
-        let asked = self.client.request(self.routed.clone(), payload.into());
+        let asked = self.client.request(self.routed_to(worker_id), payload.into());
         match tokio::time::timeout(self.timeout, asked).await {
             Err(_) => Err(ClientError::Timeout { subject: self.routed.to_string(), timeout_ms: self.timeout.as_millis() as u64 }),
             Ok(Err(e)) if e.kind() == RequestErrorKind::NoResponders => {

@@ -1029,6 +1029,41 @@ pub fn group_entries(entries: impl IntoIterator<Item = MatchEntry>) -> Vec<Match
     out
 }
 
+/// Which shard of how many answered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShardOf {
+    /// The shard, from 0.
+    pub shard: u32,
+    /// How many shards the deployment has.
+    pub shards: u32,
+}
+
+/// A resync broadcast's payload in a sharded deployment: only the publishers of that shard's
+/// workers answer (a publisher that cannot read it answers anyway).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncShard {
+    /// The shard asking.
+    pub shard: u32,
+    /// How many shards the deployment has.
+    pub shards: u32,
+}
+
+impl ResyncShard {
+    /// The msgpack bytes of the broadcast.
+    pub fn encode(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// Whether the publisher of `worker_id` should answer a broadcast with this payload: yes
+    /// unless it names a shard that does not own the worker.
+    pub fn answers(payload: &[u8], worker_id: u64) -> bool {
+        match rmp_serde::from_slice::<ResyncShard>(payload) {
+            Ok(s) if s.shards > 1 => crate::shards::partition(worker_id, s.shards) == s.shard,
+            _ => true,
+        }
+    }
+}
+
 /// A worker and rank, as named in a lookup answer's `stale_workers`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WorkerRef {
@@ -1050,6 +1085,14 @@ pub enum LookupResponse {
         /// In a grouped answer, the workers with the same answer together, deepest first.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         groups: Vec<MatchGroup>,
+        /// In a sharded deployment, the shard that answered and how many there are (each
+        /// shard answers for its own workers; a client merges the answers of all of them).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shard: Option<ShardOf>,
+        /// A merged answer that lacks the shards named here (they did not answer in time): the
+        /// workers they own are missing from it.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        missing_shards: Vec<u32>,
         /// Workers being resynchronised that match nothing: a worker that lost its blocks
         /// would otherwise just be absent, and a partial answer would look like a true one.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -1379,13 +1422,24 @@ mod tests {
             tiers: Default::default(),
             ..Default::default()
         }];
-        let ok = LookupResponse::Matches { matches: one.clone(), groups: vec![], stale_workers: vec![] };
+        let ok = LookupResponse::Matches {
+            matches: one.clone(),
+            groups: vec![],
+            shard: None,
+            missing_shards: vec![],
+            stale_workers: vec![],
+        };
         let v = rmpv::decode::read_value(&mut &ok.encode()[..]).unwrap();
         let matches = field(v.as_map().unwrap(), "matches").unwrap().as_array().unwrap();
         assert_eq!(field(matches[0].as_map().unwrap(), "blocks").unwrap().as_u64(), Some(9));
         assert!(field(v.as_map().unwrap(), "stale_workers").is_none(), "left out when empty, as before the field");
-        let with_stale =
-            LookupResponse::Matches { matches: one, groups: vec![], stale_workers: vec![WorkerRef { worker_id: 4, dp_rank: 1 }] };
+        let with_stale = LookupResponse::Matches {
+            matches: one,
+            groups: vec![],
+            shard: None,
+            missing_shards: vec![],
+            stale_workers: vec![WorkerRef { worker_id: 4, dp_rank: 1 }],
+        };
         let v = rmpv::decode::read_value(&mut &with_stale.encode()[..]).unwrap();
         let stale = field(v.as_map().unwrap(), "stale_workers").unwrap().as_array().unwrap();
         assert_eq!(field(stale[0].as_map().unwrap(), "dp_rank").unwrap().as_u64(), Some(1));

@@ -23,7 +23,7 @@
 use crate::error::ClientError;
 use crate::protocol::{
     write_batch_header, write_cleared, write_group_removed, write_group_stored, write_removed, write_stored, BatchHeader,
-    ResyncAck, ResyncRequest,
+    ResyncAck, ResyncRequest, ResyncShard,
 };
 use async_nats::{Client, Subject};
 use bytes::Bytes;
@@ -722,8 +722,10 @@ async fn control_loop(
                 }
             }
             msg = all_resync.next() => {
-                if msg.is_none() {
-                    return;
+                let Some(msg) = msg else { return };
+                // In a sharded deployment, a restarted shard asks only its own workers.
+                if !ResyncShard::answers(&msg.payload, shared.cfg.worker_id) {
+                    continue;
                 }
                 let blocks = shared.snapshot();
                 tracing::debug!(worker = shared.cfg.worker_id, blocks, "answered a resync broadcast");

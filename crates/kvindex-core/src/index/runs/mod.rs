@@ -148,7 +148,7 @@ impl RunIndex {
                     // them (a writer appended and published since) would need hashes read
                     // after it: then, rarely, the run is read again, coverage first.
                     let hashes = run.hashes(guard);
-                    let (seen_len, k0) = (hashes.len(), common_len(&hashes, &q[pos..]));
+                    let (seen_len, k0) = (hashes.len(), common_len(hashes, &q[pos..]));
                     let outs = s.out.len();
                     s.seen.clear_to(width);
                     let mut past = false;

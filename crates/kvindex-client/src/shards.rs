@@ -1,0 +1,149 @@
+//! A deployment sharded by worker: which shard owns a worker, and how the shards' answers to
+//! one lookup become the answer one index holding every worker would give.
+//!
+//! The shard of a worker is decided by the NATS server itself: a subject mapping
+//! `"{prefix}.events.*": "{prefix}.events.{{wildcard(1)}}.{{partition(S,1)}}"` delivers each
+//! worker's events to `{prefix}.events.{worker}.{k}`, and shard `k` subscribes to
+//! `{prefix}.events.*.{k}`. The server's partition is FNV-1a (32 bits) of the token's bytes,
+//! modulo `S`: [`partition`] computes the same, so that a publisher can tell whether a resync
+//! broadcast is its shard's, and a client which shard's answer about a worker is the owner's.
+
+use crate::protocol::{MatchGroup, WorkerPair, WorkerRef};
+use kvindex_core::index::rotation;
+
+/// The shard (of `shards`) that owns `worker_id`: what the NATS server's `partition(S, 1)`
+/// gives for the worker's subject token (its id in decimal).
+pub fn partition(worker_id: u64, shards: u32) -> u32 {
+    if shards <= 1 {
+        return 0;
+    }
+    let mut h: u32 = 0x811c_9dc5;
+    for b in worker_id.to_string().bytes() {
+        h ^= u32::from(b);
+        h = h.wrapping_mul(0x0100_0193);
+    }
+    h % shards
+}
+
+/// The subject mappings a NATS server needs for `shards` shards under `prefix`: events and
+/// announcements to the worker's shard. In a server configuration's `mappings` block (or an
+/// account's), one `"from": "to"` line each.
+pub fn mappings(prefix: &str, shards: u32) -> [(String, String); 2] {
+    let map =
+        |what: &str| (format!("{prefix}.{what}.*"), format!("{prefix}.{what}.{{{{wildcard(1)}}}}.{{{{partition({shards},1)}}}}"));
+    [map("events"), map("routed")]
+}
+
+/// One shard's answer, as the merge takes it: its groups and stale workers.
+#[derive(Clone, Debug, Default)]
+pub struct ShardAnswer {
+    /// The shard that answered.
+    pub shard: u32,
+    /// Its groups, deepest first.
+    pub groups: Vec<MatchGroup>,
+    /// Its stale workers that match nothing.
+    pub stale_workers: Vec<WorkerRef>,
+}
+
+/// The answer one index holding every worker would give, from the shards' answers: groups
+/// deepest first (a worker only from the shard that owns it under `shards`, so that a shard
+/// still holding a worker that moved away is not believed), at most `limit` workers, those tied
+/// at the cut kept in rotation.
+pub fn merge(answers: &[ShardAnswer], shards: u32, limit: Option<usize>) -> (Vec<MatchGroup>, Vec<WorkerRef>) {
+    let mut groups: Vec<MatchGroup> = Vec::new();
+    for a in answers {
+        for g in &a.groups {
+            let workers: Vec<WorkerPair> = g.workers.iter().copied().filter(|w| partition(w.0, shards) == a.shard).collect();
+            if !workers.is_empty() {
+                groups.push(MatchGroup { workers, ..g.clone() });
+            }
+        }
+    }
+    // Deepest first; groups with the same answer become one.
+    groups.sort_by(|a, b| rank(b).cmp(&rank(a)).then_with(|| key(a).cmp(&key(b))));
+    let mut merged: Vec<MatchGroup> = Vec::with_capacity(groups.len());
+    for g in groups {
+        match merged.last_mut() {
+            Some(last) if key(last) == key(&g) => last.workers.extend(g.workers),
+            _ => merged.push(g),
+        }
+    }
+    if let Some(mut room) = limit {
+        let mut keep = 0;
+        while keep < merged.len() && room > 0 {
+            let g = &mut merged[keep];
+            if g.workers.len() > room {
+                g.workers.sort_unstable();
+                let start = rotation(g.workers.len(), room);
+                g.workers.rotate_left(start);
+                g.workers.truncate(room);
+            }
+            room -= g.workers.len();
+            keep += 1;
+        }
+        merged.truncate(keep);
+    }
+    let stale = answers
+        .iter()
+        .flat_map(|a| a.stale_workers.iter().filter(|w| partition(w.worker_id, shards) == a.shard).copied())
+        .collect();
+    (merged, stale)
+}
+
+/// How deep a group's answer reaches, for the order: its deepest tier or prediction.
+fn rank(g: &MatchGroup) -> u32 {
+    g.blocks.max(g.tiers.host.unwrap_or(0)).max(g.tiers.disk.unwrap_or(0)).max(g.predicted_blocks.unwrap_or(0))
+}
+
+/// Everything a group's workers share.
+fn key(g: &MatchGroup) -> (u32, bool, Option<u32>, Option<u32>, Option<u32>, bool) {
+    (g.blocks, g.stale, g.tiers.host, g.tiers.disk, g.predicted_blocks, g.approximate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partition_is_fnv1a_of_the_decimal_id() {
+        // FNV-1a 32 of "7" is 0x0b0c3c42 (a known vector: offset basis, then one byte).
+        let fnv = |s: &str| s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+        assert_eq!(fnv(""), 0x811c_9dc5);
+        assert_eq!(fnv("a"), 0xe40c_292c, "FNV-1a's published vector");
+        for w in [0u64, 7, 42, 1000, u64::MAX] {
+            assert_eq!(partition(w, 3), fnv(&w.to_string()) % 3);
+        }
+        assert_eq!(partition(12345, 1), 0);
+    }
+
+    #[test]
+    fn a_merge_answers_as_one_index_would() {
+        let pair = |w: u64| WorkerPair(w, 0);
+        let shards = 3;
+        let owned = |k: u32| (0..60u64).filter(move |&w| partition(w, shards) == k);
+        // Each shard answers its own workers: two at depth 9, the rest at depth 4.
+        let answers: Vec<ShardAnswer> = (0..shards)
+            .map(|k| {
+                let mine: Vec<u64> = owned(k).collect();
+                ShardAnswer {
+                    shard: k,
+                    groups: vec![
+                        MatchGroup { blocks: 9, workers: mine[..2].iter().map(|&w| pair(w)).collect(), ..Default::default() },
+                        MatchGroup { blocks: 4, workers: mine[2..].iter().map(|&w| pair(w)).collect(), ..Default::default() },
+                    ],
+                    stale_workers: vec![],
+                }
+            })
+            .collect();
+        let (all, _) = merge(&answers, shards, None);
+        assert_eq!(all.iter().map(|g| (g.blocks, g.workers.len())).collect::<Vec<_>>(), vec![(9, 6), (4, 54)]);
+        let (cut, _) = merge(&answers, shards, Some(10));
+        assert_eq!(cut.iter().map(|g| (g.blocks, g.workers.len())).collect::<Vec<_>>(), vec![(9, 6), (4, 4)]);
+        // A worker answered by a shard that does not own it (it moved away) is not believed.
+        let mut stray = answers.clone();
+        let elsewhere = owned(1).next().unwrap_or(0);
+        stray[0].groups[0].workers.push(pair(elsewhere));
+        let (all, _) = merge(&stray, shards, None);
+        assert_eq!(all.iter().filter(|g| g.blocks == 9).map(|g| g.workers.len()).sum::<usize>(), 6);
+    }
+}

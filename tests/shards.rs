@@ -1,0 +1,206 @@
+//! A deployment sharded by worker, tested as it will fail: three shards of two replicas each
+//! (`kvindex serve` processes) on a three-node NATS cluster whose subject mapping partitions
+//! the workers, fed the Mooncake stream through the engines' real `Publisher`s. The merged
+//! answers must equal the reference model's (one index holding every worker); each worker's
+//! events must land on its own shard alone; with both replicas of a shard killed, answers say
+//! which shard is missing instead of silently leaving its workers out, and are whole again once
+//! it restarts; a NATS node lost changes nothing; and the same fleet on another partition count
+//! answers the same.
+
+#[allow(dead_code)]
+#[path = "support/tools.rs"]
+mod tools;
+mod support;
+
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_client::shards::partition;
+use kvindex_client::{LookupClient, Query};
+use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::{Event, LocalHash, ReferenceIndex, WorkerId};
+use std::collections::{BTreeSet, HashMap};
+use std::time::Duration;
+use support::cluster::NatsCluster;
+use support::process::DaemonProcess;
+use support::{eventually, http_get};
+use tools::stream::Op;
+use tools::trace::{read_trace_file, MockConfig, MockEngine};
+
+const WORKERS: u64 = 16;
+
+/// `kvindex serve` for shard `shard` of `shards`, on every node of the cluster.
+fn shard_daemon(cluster: &NatsCluster, shards: u32, shard: u32) -> DaemonProcess {
+    let (shards, shard) = (shards.to_string(), shard.to_string());
+    DaemonProcess::start(
+        &cluster.urls(),
+        &["--shards", &shards, "--shard", &shard],
+        &[("RESYNC_INTERVAL", "1"), ("READY_SETTLE_MS", "200"), ("READY_TIMEOUT", "20")],
+    )
+}
+
+/// The fleet: a publisher per worker (on the cluster's nodes in turn) and the reference model
+/// fed the same events.
+struct Fleet {
+    publishers: HashMap<u64, Publisher>,
+    truth: ReferenceIndex,
+    writers: HashMap<WorkerId, <ReferenceIndex as KvIndex>::Writer>,
+    queries: Vec<Vec<LocalHash>>,
+}
+
+impl Fleet {
+    async fn start(cluster: &NatsCluster) -> Fleet {
+        let mut publishers = HashMap::new();
+        for w in 0..WORKERS {
+            let client = async_nats::connect(cluster.url(w as usize % 3)).await.expect("a publisher connects");
+            publishers.insert(w, Publisher::start(client, PublisherConfig::new("t", w, 0)).await.expect("a publisher starts"));
+        }
+        Fleet { publishers, truth: ReferenceIndex::new(1 << 20, 1 << 10), writers: HashMap::new(), queries: Vec::new() }
+    }
+
+    /// Replays `ops` through the publishers and the reference model.
+    async fn replay(&mut self, ops: impl IntoIterator<Item = Op>) {
+        for op in ops {
+            match op {
+                Op::Lookup(q) => self.queries.push(q),
+                Op::Event(w, ev) => {
+                    let p = &self.publishers[&w.worker_id];
+                    match &ev {
+                        Event::Stored { parent, blocks, .. } => p.stored(*parent, blocks),
+                        Event::Removed { hashes, .. } => p.removed(hashes),
+                        Event::Cleared => p.cleared(),
+                        _ => {}
+                    }
+                    let truth = &self.truth;
+                    let wr = self.writers.entry(w).or_insert_with(|| truth.writer(w).expect("room"));
+                    ev.apply_to(&self.truth, wr);
+                }
+            }
+        }
+        for p in self.publishers.values() {
+            p.flush().await;
+        }
+    }
+
+    /// Some lookups of the stream: every `every`-th.
+    fn sample(&self, every: usize) -> Vec<Vec<LocalHash>> {
+        self.queries.iter().step_by(every).cloned().collect()
+    }
+
+    fn want(&self, q: &[LocalHash], only: impl Fn(u64) -> bool) -> Vec<WorkerMatch> {
+        self.truth.find_matches(q, &MatchOptions::default()).into_iter().filter(|m| only(m.worker.worker_id)).collect()
+    }
+}
+
+/// The merged answer to `q` as (worker, depth), deepest first then by worker, and the shards
+/// missing from it.
+async fn ask(lookups: &LookupClient, q: &[LocalHash]) -> Option<(Vec<WorkerMatch>, Vec<u32>)> {
+    let a = lookups.lookup(&Query::hashes(q)).await.ok()?;
+    let mut got: Vec<WorkerMatch> =
+        a.matches.iter().map(|m| WorkerMatch { worker: WorkerId::new(m.worker_id, m.dp_rank), blocks: m.blocks }).collect();
+    got.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+    Some((got, a.missing_shards))
+}
+
+/// Waits until every sampled lookup answers exactly the reference model's (restricted to the
+/// workers `only` keeps), with exactly `missing` shards missing.
+async fn agree(fleet: &Fleet, lookups: &LookupClient, missing: &[u32], only: impl Fn(u64) -> bool + Copy, what: &str) {
+    let sample = fleet.sample(25);
+    assert!(sample.len() >= 20, "a sample of lookups");
+    let last = std::cell::RefCell::new(String::new());
+    let ok = eventually(60, || {
+        let (sample, last) = (&sample, &last);
+        async move {
+            for q in sample {
+                let want = fleet.want(q, only);
+                match ask(lookups, q).await {
+                    Some((got, gone)) if got == want && gone == missing => {}
+                    other => {
+                        *last.borrow_mut() = format!("{other:?}\nwanted {want:?} with {missing:?} missing");
+                        return None;
+                    }
+                }
+            }
+            Some(())
+        }
+    })
+    .await;
+    assert!(ok.is_some(), "{what}: the merged answers never matched the reference model; last: {}", last.borrow());
+}
+
+/// The workers a daemon's own shard holds (its inspect API, `local`).
+async fn local_workers(d: &DaemonProcess) -> BTreeSet<u64> {
+    let body = http_get(&d.inspect_addr, "/v1/workers?local=true&limit=10000").await.map(|r| r.1).unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+    v["workers"].as_array().map_or_else(BTreeSet::new, |ws| ws.iter().filter_map(|w| w["worker_id"].as_u64()).collect())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sharded_deployment_answers_as_one_index_through_its_faults() {
+    let mut cluster = NatsCluster::start(3);
+    cluster.formed().await;
+    let mut daemons: Vec<Vec<DaemonProcess>> = (0..3).map(|k| (0..2).map(|_| shard_daemon(&cluster, 3, k)).collect()).collect();
+    for d in daemons.iter_mut().flatten() {
+        d.wait_ready(30).await;
+    }
+    let mut fleet = Fleet::start(&cluster).await;
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
+    let mut trace = read_trace_file(path.as_ref()).expect("shipped trace");
+    trace.truncate(1600);
+    let cfg = MockConfig { workers: WORKERS, capacity: 2048, ..Default::default() };
+    let ops: Vec<Op> = MockEngine::run(cfg, &trace).into_iter().map(|o| Op::from(o.op)).collect();
+    let (first, rest) = ops.split_at(ops.len() * 3 / 4);
+    fleet.replay(first.iter().cloned()).await;
+
+    let router = async_nats::connect(cluster.url(0)).await.expect("the router connects");
+    let lookups = LookupClient::new(router, "t").with_timeout(Duration::from_secs(2));
+    agree(&fleet, &lookups, &[], |_| true, "three shards").await;
+
+    // Every worker's events landed on its own shard alone, on both of its replicas.
+    let mut all = BTreeSet::new();
+    for (k, replicas) in daemons.iter().enumerate() {
+        let want: BTreeSet<u64> = (0..WORKERS).filter(|&w| partition(w, 3) == k as u32).collect();
+        for d in replicas {
+            assert_eq!(local_workers(d).await, want, "shard {k} holds exactly its workers");
+        }
+        all.extend(want);
+    }
+    assert_eq!(all.len(), WORKERS as usize);
+    // Any replica's inspect API lists the whole deployment.
+    let body = http_get(&daemons[2][1].inspect_addr, "/v1/workers").await.expect("inspect answers").1;
+    let listed: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    assert_eq!(listed["total"], WORKERS, "{body}");
+
+    // Both replicas of shard 1 killed: answers name it missing and keep the other shards' workers.
+    for d in daemons[1].iter_mut() {
+        d.kill9();
+    }
+    agree(&fleet, &lookups, &[1], |w| partition(w, 3) != 1, "shard 1 down").await;
+    for d in daemons[1].iter_mut() {
+        d.restart();
+        d.wait_ready(30).await;
+    }
+    agree(&fleet, &lookups, &[], |_| true, "shard 1 back").await;
+
+    // A NATS node lost: its clients move to the others; the rest of the stream is applied.
+    cluster.kill(1);
+    fleet.replay(rest.iter().cloned()).await;
+    agree(&fleet, &lookups, &[], |_| true, "a NATS node down").await;
+    cluster.restart(1);
+    cluster.formed().await;
+
+    // Another partition count: the mapping changes, the shards restart with it, and rebuild
+    // their workers from the engines' snapshots.
+    for d in daemons.iter_mut().flatten() {
+        d.kill9();
+    }
+    cluster.remap(2);
+    cluster.formed().await;
+    let mut two: Vec<DaemonProcess> = (0..2).map(|k| shard_daemon(&cluster, 2, k)).collect();
+    for d in two.iter_mut() {
+        d.wait_ready(30).await;
+    }
+    agree(&fleet, &lookups, &[], |_| true, "two shards").await;
+    for (k, d) in two.iter().enumerate() {
+        let want: BTreeSet<u64> = (0..WORKERS).filter(|&w| partition(w, 2) == k as u32).collect();
+        assert_eq!(local_workers(d).await, want, "shard {k} of 2 holds exactly its workers");
+    }
+}
