@@ -7,10 +7,10 @@
 //! it restarts; a NATS node lost changes nothing; and the same fleet on another partition count
 //! answers the same.
 
+mod support;
 #[allow(dead_code)]
 #[path = "support/tools.rs"]
 mod tools;
-mod support;
 
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::shards::partition;
