@@ -9,7 +9,7 @@ use kvindex_core::index::Backend;
 use std::path::PathBuf;
 use tools::bench::{self, BenchConfig, Indexer, Mode, Workload};
 use tools::trace::{self, MockConfig, MockEngine};
-use tools::{keepup, shards, stream};
+use tools::{keepup, stream};
 
 #[global_allocator]
 static ALLOC: tools::alloc::CountingAlloc = tools::alloc::CountingAlloc;
@@ -39,8 +39,6 @@ enum Command {
     E2e(E2eArgs),
     /// Turn a Mooncake trace into a JSONL replay stream with the mock engine.
     Gen(GenArgs),
-    /// Simulate a partitioned index on traces: shard balance and the prefix reuse it keeps.
-    Shards(ShardsArgs),
     /// Measure the bridge: a fake engine's ZMQ batches to applied in kvindex, blocks per second.
     BridgeBench(BridgeBenchArgs),
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
@@ -392,6 +390,10 @@ struct DemoArgs {
     /// predicted placements).
     #[arg(long)]
     no_burst: bool,
+    /// Shards of kvindex sharded by worker (their own NATS server partitions the workers;
+    /// the router's lookups gather every shard): the same hit rate as one index.
+    #[arg(long, default_value_t = 1)]
+    shards: u32,
     /// Play the trace again and again until interrupted (a load generator for dashboards).
     #[arg(long = "loop")]
     repeat: bool,
@@ -420,22 +422,6 @@ struct E2eArgs {
     #[arg(long)]
     jetstream: bool,
     /// Print JSON instead of a table.
-    #[arg(long)]
-    json: bool,
-}
-
-#[derive(Args)]
-struct ShardsArgs {
-    /// Mooncake traces (JSONL) to simulate, each on its own.
-    #[arg(long, value_delimiter = ',', default_value = "data/traces/conversation_trace.jsonl,data/traces/synthetic_trace.jsonl")]
-    traces: Vec<PathBuf>,
-    /// Numbers of shards.
-    #[arg(long, value_delimiter = ',', default_value = "4,16,64")]
-    shards: Vec<usize>,
-    /// Blocks of a request's prefix that choose its shard.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8")]
-    key_blocks: Vec<usize>,
-    /// Print JSON instead of tables.
     #[arg(long)]
     json: bool,
 }
@@ -485,7 +471,6 @@ fn main() -> Result<()> {
         Command::Workers(a) => workers_cmd(a),
         Command::Lookup(a) => lookup_cmd(a),
         Command::Dump(a) => dump_cmd(a),
-        Command::Shards(a) => shards_cmd(a),
         Command::Health(a) => health_cmd(a),
         Command::Config(a) => config_cmd(a),
         Command::Bridge(a) => bridge_cmd(a),
@@ -620,6 +605,7 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
         seed: a.seed,
         repeat: a.repeat,
         burst: !a.no_burst,
+        shards: a.shards,
         live: if a.json { tools::demo::Live::Off } else { tools::demo::live_for_stdout() },
     };
     if !a.json {
@@ -770,27 +756,6 @@ fn bench_cmd(a: BenchArgs) -> Result<()> {
         println!("{}", serde_json::to_string_pretty(&rows)?);
     } else {
         print!("{}", bench::table(&rows));
-    }
-    Ok(())
-}
-
-fn shards_cmd(a: ShardsArgs) -> Result<()> {
-    let mut all = Vec::new();
-    for path in &a.traces {
-        let trace = trace::read_trace_file(path)?;
-        let points: Vec<_> = a
-            .shards
-            .iter()
-            .flat_map(|&s| a.key_blocks.iter().map(move |&k| (s, k)))
-            .map(|(s, k)| shards::simulate(&trace, s, k))
-            .collect();
-        if !a.json {
-            println!("{}", shards::table(&format!("{} ({} requests)", path.display(), trace.len()), &points));
-        }
-        all.push(serde_json::json!({ "trace": path.display().to_string(), "points": points }));
-    }
-    if a.json {
-        println!("{}", serde_json::to_string_pretty(&all)?);
     }
     Ok(())
 }

@@ -32,6 +32,7 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
         repeat: false,
         live: Live::Off,
         burst: true,
+        shards: 1,
     };
     let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs");
     let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
@@ -58,4 +59,37 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
     assert!(with.prefill_tokens_saved > without.prefill_tokens_saved);
     // Kept together, yet not all on one worker: the router still weighs load.
     assert!(burst.burst_max_with > 1 && burst.burst_max_with < burst.requests_per_burst as u64, "{}", burst.burst_max_with);
+}
+
+/// The same closed loop on three shards of kvindex (a NATS server of the demo's own
+/// partitioning the workers, the router's lookups merged across the shards): it routes as well
+/// as one index does, as close to the oracle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_shards_route_as_well_as_one_index() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
+    let mut trace = read_trace_file(path.as_ref()).expect("shipped trace");
+    trace.truncate(2000);
+    let cfg = DemoConfig {
+        nats_url: None,
+        kvindex_metrics: None,
+        prefix: "demo".into(),
+        workers: 16,
+        capacity: 16384,
+        factor: 16,
+        speed: 300.0,
+        load_weight: 1.0,
+        seed: 42,
+        repeat: false,
+        live: Live::Off,
+        burst: false,
+        shards: 3,
+    };
+    let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs on three shards");
+    let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
+    let (kv, oracle, rr) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin));
+    println!("three shards: kv-aware {kv:.3}, oracle {oracle:.3}, round-robin {rr:.3}");
+    assert_eq!(report.lookups, 2000, "every request was routed with the merged answer ({} failed)", report.lookup_errors);
+    assert!(kv >= oracle * 0.9, "kv-aware on three shards {kv} falls short of the oracle {oracle}");
+    assert!(kv > rr * 2.0, "kv-aware on three shards {kv} does not beat round-robin {rr}");
+    assert!(rate(Policy::Approximate) > rr * 2.0, "approximate mode works across shards too");
 }

@@ -81,7 +81,11 @@ fn every_kvindex_command_line_of_the_deployment_parses() {
     let compose = read("docker-compose.yml");
     let mut lines = compose_kvindex_commands(&compose);
     let services: Vec<&str> = lines.iter().map(|(s, _)| s.as_str()).collect();
-    assert_eq!(services, ["kvindex", "loadgen", "bridge"], "kvindex services of docker-compose.yml");
+    assert_eq!(
+        services,
+        ["kvindex", "loadgen", "bridge", "kvindex-shard-0", "kvindex-shard-1", "kvindex-shard-2", "loadgen-sharded"],
+        "kvindex services of docker-compose.yml"
+    );
     // The Dockerfile's healthcheck and default command.
     let dockerfile = read("Dockerfile");
     for directive in ["HEALTHCHECK", "CMD"] {
@@ -105,6 +109,43 @@ fn every_kvindex_command_line_of_the_deployment_parses() {
     // And a typo would be caught.
     let out = Command::new(env!("CARGO_BIN_EXE_kvindex")).args(["serve", "--nats-ulr", "x", "--check-args"]).output().unwrap();
     assert!(!out.status.success());
+}
+
+/// The value after `flag` in a command line.
+fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
+    args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).map(String::as_str)
+}
+
+/// The shipped NATS configuration for shards maps subjects exactly as the daemons and the
+/// client expect (`kvindex_client::shards::mappings`), and compose's shards cover each shard
+/// of that count once, on the server that carries the mapping.
+#[test]
+fn the_shards_nats_config_and_the_compose_profile_agree_with_the_code() {
+    let conf = read("config/nats/shards.conf");
+    let lines: Vec<(String, String)> = conf
+        .lines()
+        .filter_map(|l| {
+            let (from, to) = l.trim().split_once(": ")?;
+            let unquote = |s: &str| s.trim().strip_prefix('"')?.strip_suffix('"').map(str::to_string);
+            Some((unquote(from)?, unquote(to)?))
+        })
+        .collect();
+    let shards = 3;
+    assert_eq!(lines, kvindex_client::shards::mappings("kv", shards).to_vec(), "config/nats/shards.conf's mappings");
+
+    let compose = read("docker-compose.yml");
+    let mut seen = Vec::new();
+    for (service, args) in compose_kvindex_commands(&compose) {
+        if args.first().map(String::as_str) != Some("serve") || flag_value(&args, "--shards").is_none() {
+            continue;
+        }
+        assert_eq!(flag_value(&args, "--shards"), Some("3"), "{service}: the shard count of config/nats/shards.conf");
+        assert_eq!(flag_value(&args, "--nats-url"), Some("nats://nats-sharded:4222"), "{service}: the mapping server");
+        seen.push(flag_value(&args, "--shard").expect("--shard").parse::<u32>().expect("a shard number"));
+    }
+    seen.sort();
+    assert_eq!(seen, (0..shards).collect::<Vec<_>>(), "compose runs each shard once");
+    assert!(compose.contains("./config/nats/shards.conf:/etc/nats/shards.conf:ro"), "nats-sharded mounts the mapping");
 }
 
 /// The `args:` flow lists of the containers that run the kvindex image in the Kubernetes

@@ -11,7 +11,7 @@
 //! announces each choice, and kvindex answers from the announcements alone. After the trace,
 //! [`super::burst`] shows what predicted placements do for bursts that share a new prefix.
 
-use crate::tools::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon};
+use crate::tools::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon, NatsProcess};
 use crate::tools::trace::{chain_hashes, request_locals, PrefixCache, SplitMix64, TraceRequest};
 use anyhow::{Context, Result};
 use hdrhistogram::Histogram;
@@ -53,6 +53,9 @@ pub struct DemoConfig {
     pub live: Live,
     /// Run the burst scenario after the trace (with or without predictions).
     pub burst: bool,
+    /// Shards of kvindex, each applying its own workers' events (on a NATS server of its own
+    /// that partitions them); lookups merged across the shards.
+    pub shards: u32,
 }
 
 /// How a run shows progress while it runs.
@@ -322,23 +325,47 @@ fn panel(
 pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::future::Future<Output = ()>) -> Result<DemoReport> {
     anyhow::ensure!(!trace.is_empty(), "the trace has no requests");
     anyhow::ensure!(cfg.workers > 0 && cfg.workers <= 4096, "workers: 1 to 4096");
-    let (_nats, url) = nats_or_own(cfg.nats_url.as_deref())?;
-    let (daemon, metrics_addr) = match &cfg.kvindex_metrics {
-        Some(addr) => (None, addr.trim_start_matches("http://").trim_end_matches('/').to_string()),
+    anyhow::ensure!(
+        cfg.shards == 1 || (cfg.nats_url.is_none() && cfg.kvindex_metrics.is_none()),
+        "--shards runs a NATS server and kvindex shards of its own: leave out --nats-url and --kvindex"
+    );
+    anyhow::ensure!(cfg.shards >= 1, "shards: at least 1");
+    let (_nats, url) = if cfg.shards > 1 {
+        let server = NatsProcess::start_sharded(&cfg.prefix, cfg.shards)?;
+        let url = server.url();
+        (Some(server), url)
+    } else {
+        nats_or_own(cfg.nats_url.as_deref())?
+    };
+    let (daemons, metrics_addrs) = match &cfg.kvindex_metrics {
+        Some(addr) => (Vec::new(), vec![addr.trim_start_matches("http://").trim_end_matches('/').to_string()]),
         None => {
-            let daemon_cfg = Config {
-                nats_url: url.clone(),
-                prefix: cfg.prefix.clone(),
-                metrics_addr: format!("127.0.0.1:{}", free_port()?),
-                inspect_addr: format!("127.0.0.1:{}", free_port()?),
-                routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
-                routed_only_capacity: cfg.capacity as u64,
-                ..Config::default()
-            };
-            let d = Daemon::start(daemon_cfg).await.context("starting kvindex serve")?;
-            let addr = d.cfg.metrics_addr.clone();
-            (Some(d), addr)
+            let mut daemons = Vec::new();
+            for shard in 0..cfg.shards {
+                let daemon_cfg = Config {
+                    nats_url: url.clone(),
+                    prefix: cfg.prefix.clone(),
+                    shards: cfg.shards,
+                    shard,
+                    metrics_addr: format!("127.0.0.1:{}", free_port()?),
+                    inspect_addr: format!("127.0.0.1:{}", free_port()?),
+                    routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
+                    routed_only_capacity: cfg.capacity as u64,
+                    ..Config::default()
+                };
+                daemons.push(Daemon::start(daemon_cfg).await.context("starting kvindex serve")?);
+            }
+            let addrs = daemons.iter().map(|d| d.cfg.metrics_addr.clone()).collect();
+            (daemons, addrs)
         }
+    };
+    // Every shard's metrics, as one text: counters add up across shards.
+    let scrape = || async {
+        let mut text = String::new();
+        for addr in &metrics_addrs {
+            text += &http_body(addr, "/metrics").await;
+        }
+        text
     };
     let nats = async_nats::connect(&url).await.with_context(|| format!("connecting to NATS at {url}"))?;
     let workers = cfg.workers as usize;
@@ -348,7 +375,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
     }
     let router = LookupClient::new(async_nats::connect(&url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
     // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
-    let own = daemon.is_some();
+    let own = !daemons.is_empty();
     let mut fleets: Vec<Fleet> = [Policy::KvAware, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
         .into_iter()
         .filter(|&p| own || p != Policy::Approximate)
@@ -361,7 +388,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
     let span_ms = trace.last().map_or(0, |r| r.timestamp) + 3_000;
     let total = (!cfg.repeat).then_some(trace.len() as u64);
     let started = Instant::now();
-    let mut prev = Scrape { at: Instant::now(), text: http_body(&metrics_addr, "/metrics").await };
+    let mut prev = Scrape { at: Instant::now(), text: scrape().await };
     let mut last_line = Instant::now();
     let mut panel_lines = 0usize;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -385,7 +412,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
                     _ = &mut stop => { interrupted = true; break 'passes; }
                     _ = tick.tick() => {
                         if cfg.live == Live::Off { continue; }
-                        let now = Scrape { at: Instant::now(), text: http_body(&metrics_addr, "/metrics").await };
+                        let now = Scrape { at: Instant::now(), text: scrape().await };
                         let lines = panel(&prev, &now, &fleets, &rtt, done, total, started);
                         show(cfg.live, &lines, &mut panel_lines, &mut last_line);
                         prev = now;
@@ -459,7 +486,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         p.flush().await;
     }
     let burst = if cfg.burst && !interrupted && !cfg.repeat { Some(super::burst::run(&nats, &router, cfg).await?) } else { None };
-    if let Some(d) = daemon {
+    for d in daemons {
         d.stop().await?;
     }
     Ok(DemoReport {

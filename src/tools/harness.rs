@@ -39,6 +39,24 @@ impl NatsProcess {
         Self::start_with(port, &[], &[])
     }
 
+    /// Starts one on a free port that partitions a sharded deployment's subjects under
+    /// `prefix` into `shards` (the mappings of `config/nats/shards.conf`).
+    pub fn start_sharded(prefix: &str, shards: u32) -> Result<Self> {
+        let lines: Vec<String> =
+            kvindex_client::shards::mappings(prefix, shards).iter().map(|(from, to)| format!("  \"{from}\": \"{to}\"")).collect();
+        let conf = std::env::temp_dir().join(format!("kvindex-shards-{}-{}.conf", std::process::id(), free_port()?));
+        std::fs::write(&conf, format!("mappings = {{\n{}\n}}\n", lines.join("\n"))).context("writing the NATS mappings")?;
+        let conf = conf.to_str().context("a UTF-8 temp dir")?.to_string();
+        let mut last = None;
+        for _ in 0..5 {
+            match Self::start_with(free_port()?, &["-c", &conf], &[]) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or_else(|| anyhow::anyhow!("nats-server did not start")))
+    }
+
     /// Starts one on `port` with more arguments (e.g. `-c FILE`) and environment variables.
     pub fn start_with(port: u16, args: &[&str], envs: &[(&str, &str)]) -> Result<Self> {
         let path = std::env::var_os("PATH").unwrap_or_default();
@@ -127,15 +145,17 @@ pub async fn http_body(addr: &str, path: &str) -> String {
     http_get(addr, path).await.map(|r| r.1).unwrap_or_default()
 }
 
-/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent.
+/// The value of one sample line (`name{labels}`) of Prometheus text, 0 if absent; summed where
+/// the text joins several daemons' scrapes (shards).
 pub fn sample(text: &str, name: &str) -> f64 {
     text.lines()
-        .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or(0.0)
+        .filter_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse::<f64>().ok()))
+        .sum()
 }
 
 /// The cumulative buckets `(le, count)` of one Prometheus histogram series, by `le`; `series`
-/// is its bucket lines' start up to `le`: `name_bucket{` and any other labels.
+/// is its bucket lines' start up to `le`: `name_bucket{` and any other labels. Buckets of several
+/// daemons' scrapes joined in one text are added up.
 pub fn buckets(text: &str, series: &str) -> Vec<(f64, f64)> {
     let mut out: Vec<(f64, f64)> = text
         .lines()
@@ -147,6 +167,13 @@ pub fn buckets(text: &str, series: &str) -> Vec<(f64, f64)> {
         })
         .collect();
     out.sort_by(|a, b| a.0.total_cmp(&b.0));
+    out.dedup_by(|later, kept| {
+        let same = later.0 == kept.0;
+        if same {
+            kept.1 += later.1;
+        }
+        same
+    });
     out
 }
 

@@ -16,7 +16,6 @@
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`burst`]: the demo's bursts sharing a new prefix, routed with and without predictions.
 //! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
-//! - [`shards`]: `kvindex shards`: a partitioned index simulated on traces (docs/SCALING.md).
 //! - `peers`: smg's and NVIDIA Dynamo's indexes behind kvindex's index trait, so `bench`
 //!   compares them in one run (only with `--features peers`).
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
@@ -33,6 +32,5 @@ pub mod inspect;
 pub mod keepup;
 #[cfg(feature = "peers")]
 pub mod peers;
-pub mod shards;
 pub mod stream;
 pub mod trace;

@@ -3,9 +3,10 @@ would: lookups through the published NATS port (msgpack, docs/PROTOCOL.md), and 
 HTTP API. Each command exits non-zero, saying why, when the answer never comes right.
 
     check.py lookup NATS_URL --tokens FROM-TO --block-size B --worker W --blocks N [--timeout S]
-    check.py prom-up PROM_ADDR JOB [--timeout S]
+    check.py prom-up PROM_ADDR JOB [--targets N] [--timeout S]
     check.py prom-growing PROM_ADDR EXPR [--timeout S]
     check.py doc-sample NATS_URL FILE   (runs the Python sample of FILE, compares its reply)
+    check.py shards NATS_URL --shards S --workers N [--timeout S]
 """
 import argparse
 import ast
@@ -49,6 +50,61 @@ async def lookup(args):
     fail(f"lookup of tokens {args.tokens} through {args.url}: wanted worker {args.worker} at {args.blocks} blocks, last answer {got}")
 
 
+def partition(worker_id, shards):
+    """NATS's partition(S, token): FNV-1a (32 bits) of the worker id's decimal text, mod S."""
+    h = 0x811C9DC5
+    for b in str(worker_id).encode():
+        h = ((h ^ b) * 0x01000193) & 0xFFFFFFFF
+    return h % shards
+
+
+async def shards(args):
+    """Workers 1..N each store the same 4 blocks through the sharded NATS server; one lookup,
+    published once, is answered by every shard (one reply each, saying which shard of how
+    many), each naming its own workers alone, and together every worker at 4 blocks."""
+    import msgpack
+    import nats
+
+    nc = await nats.connect(args.url)
+    workers = list(range(1, args.workers + 1))
+    epoch = time.time_ns()
+    for w in workers:
+        batch = {"worker_id": w, "dp_rank": 0, "epoch": epoch, "ts_ns": time.time_ns(),
+                 "events": [{"event_id": 0, "data": {"stored": {"parent_hash": None,
+                     "blocks": [{"block_hash": 9000 + i, "tokens_hash": 900 + i} for i in range(4)]}}}]}
+        await nc.publish(f"{args.prefix}.events.{w}", msgpack.packb(batch))
+    await nc.flush()
+    request = msgpack.packb({"block_hashes": [900, 901, 902, 903]})
+    deadline = time.monotonic() + args.timeout
+    last = None
+    while time.monotonic() < deadline:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(f"{args.prefix}.lookup", request, reply=inbox)
+        replies = []
+        try:
+            while len(replies) < args.shards:
+                msg = await sub.next_msg(timeout=2)
+                replies.append(msgpack.unpackb(msg.data))
+        except Exception:  # noqa: BLE001 (a shard not up yet: asked again)
+            pass
+        await sub.unsubscribe()
+        by_shard = {}
+        for r in replies:
+            of = r.get("shard") or {}
+            by_shard[of.get("shard")] = (of.get("shards"), sorted(m["worker_id"] for m in r["matches"] if m["blocks"] == 4))
+        want = {k: (args.shards, [w for w in workers if partition(w, args.shards) == k]) for k in range(args.shards)}
+        last = by_shard
+        if by_shard == want:
+            for k, (_, ws) in sorted(by_shard.items()):
+                print(f"shard {k} of {args.shards} answers for its own workers alone: {ws}")
+            await nc.close()
+            return
+        await asyncio.sleep(0.5)
+    await nc.close()
+    fail(f"sharded lookups through {args.url}: wanted {want}, last answered {last}")
+
+
 def prom(addr, expr):
     url = f"http://{addr}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
     with urllib.request.urlopen(url, timeout=5) as r:
@@ -75,7 +131,8 @@ def poll(timeout, what, probe):
 def prom_up(args):
     def probe():
         r = prom(args.addr, f'up{{job="{args.job}"}}')
-        return bool(r) and all(s["value"][1] == "1" for s in r), r
+        enough = len(r) == args.targets if args.targets else bool(r)
+        return enough and all(s["value"][1] == "1" for s in r), r
 
     r = poll(args.timeout, f"Prometheus target job={args.job} up", probe)
     print(f"Prometheus scrapes job {args.job}: {len(r)} target(s) up")
@@ -122,11 +179,18 @@ def main():
     up = sub.add_parser("prom-up")
     up.add_argument("addr")
     up.add_argument("job")
+    up.add_argument("--targets", type=int, default=0, help="exactly this many targets (0: any)")
     up.add_argument("--timeout", type=float, default=60)
     gr = sub.add_parser("prom-growing")
     gr.add_argument("addr")
     gr.add_argument("expr")
     gr.add_argument("--timeout", type=float, default=60)
+    sh = sub.add_parser("shards")
+    sh.add_argument("url")
+    sh.add_argument("--prefix", default="kv")
+    sh.add_argument("--shards", type=int, required=True)
+    sh.add_argument("--workers", type=int, required=True)
+    sh.add_argument("--timeout", type=float, default=60)
     ds = sub.add_parser("doc-sample")
     ds.add_argument("url")
     ds.add_argument("file")
@@ -137,6 +201,8 @@ def main():
         prom_up(args)
     elif args.cmd == "prom-growing":
         prom_growing(args)
+    elif args.cmd == "shards":
+        asyncio.run(shards(args))
     else:
         doc_sample(args)
 
