@@ -41,6 +41,9 @@ enum Command {
     Gen(GenArgs),
     /// Measure the bridge: a fake engine's ZMQ batches to applied in kvindex, blocks per second.
     BridgeBench(BridgeBenchArgs),
+    /// Measure sharding by worker: S shards and one daemon, each a process, on the same
+    /// stream (apply CPU and memory per process, merged lookups against one daemon's).
+    ShardBench(ShardBenchArgs),
     /// Ask a running kvindex's HTTP server: exit 0 if the path answers 200 (a container
     /// healthcheck that needs no curl).
     Health(HealthArgs),
@@ -427,6 +430,24 @@ struct E2eArgs {
 }
 
 #[derive(Args)]
+struct ShardBenchArgs {
+    #[command(flatten)]
+    source: Source,
+    /// Shards to compare with one daemon.
+    #[arg(long, default_value_t = 3)]
+    shards: u32,
+    /// Lookups timed on each side, one at a time.
+    #[arg(long, default_value_t = 5000)]
+    lookups: usize,
+    /// Rounds, each with fresh servers and daemons.
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
 struct GenArgs {
     #[command(flatten)]
     source: Source,
@@ -474,6 +495,7 @@ fn main() -> Result<()> {
         Command::Health(a) => health_cmd(a),
         Command::Config(a) => config_cmd(a),
         Command::Bridge(a) => bridge_cmd(a),
+        Command::ShardBench(a) => shard_bench_cmd(a),
         Command::BridgeBench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let r = rt.block_on(tools::bridge_bench::run(a.batches, a.events, a.blocks, a.rate))?;
@@ -481,6 +503,20 @@ fn main() -> Result<()> {
             Ok(())
         }
     }
+}
+
+fn shard_bench_cmd(a: ShardBenchArgs) -> Result<()> {
+    let wl = a.source.load()?;
+    eprintln!("workload: {} event blocks, {} lookups to cycle through", wl.stored_blocks + wl.removed_blocks, wl.lookups);
+    let cfg = tools::shard_bench::ShardBenchConfig { shards: a.shards, lookups: a.lookups, rounds: a.rounds };
+    let rounds =
+        tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(tools::shard_bench::run(&wl, &cfg))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&rounds)?);
+    } else {
+        print!("{}", tools::shard_bench::table(&rounds));
+    }
+    Ok(())
 }
 
 fn e2e_cmd(a: E2eArgs) -> Result<()> {

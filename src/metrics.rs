@@ -327,7 +327,8 @@ impl Metrics {
     /// Creates every labelled series a dashboard or alert reads, at zero, so that `rate()` and
     /// panels see them before the first occurrence (a series born at 1 hides its first event).
     fn with_known_series(self) -> Self {
-        let reasons = DecodeError::ALL.iter().map(|e| e.reason()).chain(["bad_subject", "worker_mismatch", "old_epoch"]);
+        let reasons =
+            DecodeError::ALL.iter().map(|e| e.reason()).chain(["bad_subject", "worker_mismatch", "old_epoch", "other_shard"]);
         for reason in reasons {
             self.decode_failures.with_label_values(&[reason]);
         }

@@ -274,3 +274,30 @@ async fn a_worker_cannot_grow_the_index_past_its_block_bound() {
     assert_eq!((got[1].worker_id, got[1].blocks, got[1].stale), (6, 2, false), "another worker is untouched");
     d.stop().await.unwrap();
 }
+
+/// A shard whose NATS mapping partitions by another count (here: none, a batch sent straight to
+/// shard 0's subject) refuses the workers its own count gives another shard, counted and logged,
+/// and keeps its own: it never answers for a worker the merge would not believe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_refuses_the_workers_its_count_gives_another_shard() {
+    use kvindex_client::shards::partition;
+    let nats = NatsServer::start();
+    let d = Daemon::start(&nats.url(), |c| {
+        c.shards = 3;
+        c.shard = 0;
+    })
+    .await;
+    let c = async_nats::connect(nats.url()).await.unwrap();
+    let mine = (1..).find(|&w| partition(w, 3) == 0).unwrap();
+    let theirs = (1..).find(|&w| partition(w, 3) != 0).unwrap();
+    for w in [theirs, mine] {
+        send(&c, &format!("t.events.{w}.0"), &batch(w, 1, vec![KvEvent::stored(0, None, &[(90, 9)])])).await;
+    }
+    expect(&c, &[9], &[(mine, 1)]).await;
+    assert_eq!(
+        d.metric("kvindex_decode_failures_total{reason=\"other_shard\"}").await,
+        1.0,
+        "the other shard's worker is counted"
+    );
+    d.stop().await.unwrap();
+}

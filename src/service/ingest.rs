@@ -112,6 +112,23 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         state.fail("routed_only", || format!("dropped events of worker {subject_id}: it is routed-only (routed_only_workers)"));
         return;
     }
+    // Another shard's worker under this daemon's count: the server's mapping partitions by
+    // another count than `shards` (or not at all). Held, it would answer for a worker every
+    // merge ignores, and miss the events its own shard should get.
+    if let Some(of) = state.cfg.shard_of() {
+        if kvindex_client::shards::partition(subject_id, of.shards) != of.shard {
+            state.fail("other_shard", || {
+                format!(
+                    "dropped events of worker {subject_id}: it is shard {} of {}'s, this is shard {}: does the NATS mapping partition by {}?",
+                    kvindex_client::shards::partition(subject_id, of.shards),
+                    of.shards,
+                    of.shard,
+                    of.shards
+                )
+            });
+            return;
+        }
+    }
     let EventBatch { header: h, events } = match decode_batch(payload) {
         Ok(b) => b,
         Err(e) => {

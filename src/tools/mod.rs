@@ -16,6 +16,8 @@
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`burst`]: the demo's bursts sharing a new prefix, routed with and without predictions.
 //! - [`bridge_bench`]: `kvindex bridge-bench`: an engine's ZMQ socket to applied in kvindex.
+//! - [`shard_bench`]: `kvindex shard-bench`: S shards against one daemon on the same stream,
+//!   each in its own process (CPU, memory, merged lookups).
 //! - `peers`: smg's and NVIDIA Dynamo's indexes behind kvindex's index trait, so `bench`
 //!   compares them in one run (only with `--features peers`).
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
@@ -32,5 +34,6 @@ pub mod inspect;
 pub mod keepup;
 #[cfg(feature = "peers")]
 pub mod peers;
+pub mod shard_bench;
 pub mod stream;
 pub mod trace;

@@ -17,7 +17,7 @@
 
 use crate::error::ClientError;
 use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, Routed, ShardOf, WorkerRef};
-use crate::shards::{merge, ShardAnswer};
+use crate::shards::{answered, merge, one_count, ShardAnswer};
 use async_nats::{Client, RequestErrorKind, Subject};
 use futures::StreamExt;
 use kvindex_core::LocalHash;
@@ -249,9 +249,11 @@ impl LookupClient {
         let mut replies = self.client.subscribe(inbox.clone()).await.map_err(|e| nats(&e))?;
         self.client.publish_with_reply(self.subject.clone(), inbox, payload).await.map_err(|e| nats(&e))?;
         let deadline = tokio::time::Instant::now() + self.timeout;
-        let (mut answers, mut shards): (Vec<ShardAnswer>, u32) = (Vec::new(), 0);
+        // Each answer with the shard count its shard runs under: while the count changes, old
+        // and new shards may both answer, and only answers of one count are merged.
+        let mut answers: Vec<(u32, ShardAnswer)> = Vec::new();
         let mut whole = None;
-        while shards == 0 || answers.len() < shards as usize {
+        while answers.last().is_none_or(|&(count, _)| answered(&answers, count) < count) {
             let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(_) => break,
@@ -266,9 +268,10 @@ impl LookupClient {
                     break;
                 }
                 (answer, Some(of)) => {
-                    shards = of.shards.max(1);
-                    if !answers.iter().any(|a| a.shard == of.shard) {
-                        answers.push(ShardAnswer { shard: of.shard, groups: answer.groups, stale_workers: answer.stale_workers });
+                    let count = of.shards.max(1);
+                    if !answers.iter().any(|(n, a)| *n == count && a.shard == of.shard) {
+                        let answer = ShardAnswer { shard: of.shard, groups: answer.groups, stale_workers: answer.stale_workers };
+                        answers.push((count, answer));
                     }
                 }
             }
@@ -278,9 +281,9 @@ impl LookupClient {
             self.shards.store(1, Ordering::Relaxed);
             return Ok(answer.into_answer(1, Vec::new()));
         }
-        if answers.is_empty() {
+        let Some((shards, answers)) = one_count(answers) else {
             return Err(self.timed_out());
-        }
+        };
         self.shards.store(shards, Ordering::Relaxed);
         let (groups, stale_workers) = merge(&answers, shards, limit);
         let missing = (0..shards).filter(|k| !answers.iter().any(|a| a.shard == *k)).collect();

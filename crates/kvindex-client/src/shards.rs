@@ -45,6 +45,23 @@ pub struct ShardAnswer {
     pub stale_workers: Vec<WorkerRef>,
 }
 
+/// How many of shards `0..count` answered under `count`, in answers each tagged with the
+/// shard count its shard runs under.
+pub fn answered(answers: &[(u32, ShardAnswer)], count: u32) -> u32 {
+    (0..count).filter(|k| answers.iter().any(|(n, a)| *n == count && a.shard == *k)).count() as u32
+}
+
+/// Of answers gathered under different shard counts (while the count changes, old and new
+/// shards both answer), the count most completely answered (the larger on a tie) and its
+/// answers alone: answers of two counts are never merged. `None` when there are none.
+pub fn one_count(answers: Vec<(u32, ShardAnswer)>) -> Option<(u32, Vec<ShardAnswer>)> {
+    let count = answers.iter().map(|(n, _)| *n).max_by(|&a, &b| {
+        let (fa, fb) = (u64::from(answered(&answers, a)) * u64::from(b), u64::from(answered(&answers, b)) * u64::from(a));
+        fa.cmp(&fb).then(a.cmp(&b))
+    })?;
+    Some((count, answers.into_iter().filter(|(n, _)| *n == count).map(|(_, a)| a).collect()))
+}
+
 /// The answer one index holding every worker would give, from the shards' answers: groups
 /// deepest first (a worker only from the shard that owns it under `shards`, so that a shard
 /// still holding a worker that moved away is not believed), at most `limit` workers, those tied
@@ -145,5 +162,26 @@ mod tests {
         stray[0].groups[0].workers.push(pair(elsewhere));
         let (all, _) = merge(&stray, shards, None);
         assert_eq!(all.iter().filter(|g| g.blocks == 9).map(|g| g.workers.len()).sum::<usize>(), 6);
+    }
+
+    #[test]
+    fn answers_of_two_shard_counts_are_never_merged() {
+        let from = |shard: u32, w: u64| ShardAnswer {
+            shard,
+            groups: vec![MatchGroup { blocks: 5, workers: vec![WorkerPair(w, 0)], ..Default::default() }],
+            stale_workers: vec![],
+        };
+        // While three shards become two: the new shards 0 and 1 of 2 both answered, the old
+        // shard 0 of 3 too (it shares shard 0's queue group). The count of 2 is whole.
+        let (count, kept) = one_count(vec![(2, from(0, 10)), (3, from(0, 11)), (2, from(1, 12))]).expect("answers");
+        assert_eq!((count, kept.iter().map(|a| a.groups[0].workers[0].0).collect::<Vec<_>>()), (2, vec![10, 12]));
+        // The old shard took shard 0's request: one of two new shards (a half) beats one of
+        // three old ones (a third); the answer is partial, never a mix of both counts.
+        let (count, kept) = one_count(vec![(3, from(0, 11)), (2, from(1, 12)), (3, from(2, 13))]).expect("answers");
+        assert_eq!((count, kept.len()), (3, 2), "two of three old shards beat one of two new ones");
+        let (count, kept) = one_count(vec![(3, from(0, 11)), (2, from(1, 12))]).expect("answers");
+        assert_eq!((count, kept.len()), (2, 1));
+        assert_eq!(answered(&[(2, from(1, 12)), (2, from(1, 12))], 2), 1, "a shard answering twice counts once");
+        assert!(one_count(vec![]).is_none());
     }
 }
