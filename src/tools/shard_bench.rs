@@ -1,8 +1,8 @@
 //! `kvindex shard-bench`: what sharding by worker costs and saves, measured. One `kvindex
 //! serve` process on a plain NATS server and S shard processes on a server that partitions the
 //! workers (`config/nats/shards.conf`'s mappings) take the same events at the same time, one
-//! publisher per worker on each server. Per process: CPU seconds to apply the stream and
-//! resident memory after it (from `/proc`), placements and workers held. Then the same lookups,
+//! publisher per worker on each server. Per process: CPU seconds to apply the stream and the
+//! resident memory it added (from `/proc`), placements and workers held. Then the same lookups,
 //! one at a time, to the one daemon and merged across the shards by `LookupClient`: round-trip
 //! percentiles of each, and every merged answer compared with the one daemon's.
 
@@ -39,6 +39,9 @@ pub struct ProcessCost {
     pub cpu_s: f64,
     /// Resident memory once every block was applied, MiB.
     pub rss_mib: f64,
+    /// Resident memory when it became ready, before any event, MiB: what the stream added is
+    /// the difference.
+    pub rss_ready_mib: f64,
     /// Placements held.
     pub placements: u64,
     /// Workers held.
@@ -182,6 +185,7 @@ async fn round(wl: &Workload, cfg: &ShardBenchConfig) -> Result<ShardRound> {
         }
     }
     let cpu_before: Vec<f64> = std::iter::once(&single).chain(&shards).map(|p| p.cpu_s(ticks)).collect::<Result<_>>()?;
+    let rss_ready: Vec<f64> = std::iter::once(&single).chain(&shards).map(|p| p.rss_mib()).collect::<Result<_>>()?;
     for op in &wl.ops {
         let Op::Event(w, ev) = op else { continue };
         let Some(pair) = publishers.get(w) else { continue };
@@ -214,11 +218,12 @@ async fn round(wl: &Workload, cfg: &ShardBenchConfig) -> Result<ShardRound> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let mut costs = Vec::new();
-    for (p, before) in std::iter::once(&single).chain(&shards).zip(&cpu_before) {
+    for ((p, before), ready) in std::iter::once(&single).chain(&shards).zip(&cpu_before).zip(&rss_ready) {
         let text = p.metrics().await;
         costs.push(ProcessCost {
             cpu_s: p.cpu_s(ticks)? - before,
             rss_mib: p.rss_mib()?,
+            rss_ready_mib: *ready,
             placements: sample(&text, "kvindex_index_blocks") as u64,
             workers: sample(&text, "kvindex_index_workers") as u64,
         });
@@ -283,13 +288,14 @@ pub fn table(rounds: &[ShardRound]) -> String {
     let shards = rounds.first().map_or(0, |r| r.shards.len());
     let mut out = format!(
         "{:<14} {:>22} {:>20} {:>20} {:>20} {:>12} {:>8}\n",
-        "", "apply CPU s", "of one daemon", "RSS MiB", "of one daemon", "placements", "workers"
+        "", "apply CPU s", "of one daemon", "RSS added MiB", "of one daemon", "placements", "workers"
     );
     let row = |label: String, pick: &dyn Fn(&ShardRound) -> &ProcessCost| {
         let cpu = spread(rounds.iter().map(|r| pick(r).cpu_s).collect(), 2);
         let cpu_of = spread(rounds.iter().map(|r| pick(r).cpu_s / r.single.cpu_s.max(1e-9)).collect(), 2);
-        let rss = spread(rounds.iter().map(|r| pick(r).rss_mib).collect(), 1);
-        let rss_of = spread(rounds.iter().map(|r| pick(r).rss_mib / r.single.rss_mib.max(1e-9)).collect(), 2);
+        let added = |c: &ProcessCost| c.rss_mib - c.rss_ready_mib;
+        let rss = spread(rounds.iter().map(|r| added(pick(r))).collect(), 1);
+        let rss_of = spread(rounds.iter().map(|r| added(pick(r)) / added(&r.single).max(1e-9)).collect(), 2);
         let last = pick(&rounds[rounds.len() - 1]);
         format!("{label:<14} {cpu:>22} {cpu_of:>20} {rss:>20} {rss_of:>20} {:>12} {:>8}\n", last.placements, last.workers)
     };

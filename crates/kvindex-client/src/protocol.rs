@@ -1,4 +1,4 @@
-//! Wire protocol version 1 (DESIGN §3), msgpack: the event batches publishers send, and the
+//! Wire protocol version 1, msgpack: the event batches publishers send, and the
 //! lookup requests and answers of routers.
 //!
 //! Decoding is lenient and per event: a batch whose envelope decodes yields one result per

@@ -1,4 +1,4 @@
-//! The publisher: the piece that runs beside an inference engine (DESIGN §3). The engine
+//! The publisher: the piece that runs beside an inference engine. The engine
 //! reports what it stored, removed or cleared; the publisher keeps the worker's current block
 //! set, numbers events under a fresh epoch per process, batches them (size and linger bounds),
 //! sends heartbeats when idle, and answers kvindex's resync requests with a snapshot of the

@@ -1,4 +1,4 @@
-//! Block identity (DESIGN §1): local hashes of token blocks, the engine's opaque block hashes,
+//! Block identity: local hashes of token blocks, the engine's opaque block hashes,
 //! kvindex's rolling prefix hashes, and worker identities.
 
 use serde::{Deserialize, Serialize};

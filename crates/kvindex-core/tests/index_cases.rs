@@ -43,7 +43,7 @@ macro_rules! for_each_backend {
     };
 }
 
-// DESIGN §1: a worker holding [A, X] and [B, Y] matches the query [A, Y] by one block.
+// The cross-parent trap: a worker holding [A, X] and [B, Y] matches the query [A, Y] by one block.
 for_each_backend!(collision_under_another_parent_is_not_a_match);
 fn collision_under_another_parent_is_not_a_match<I: KvIndex>(index: I) {
     let mut w = index.writer(WorkerId::new(1, 0)).unwrap();

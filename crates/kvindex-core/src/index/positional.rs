@@ -1,4 +1,4 @@
-//! The positional index (DESIGN §2): for each position, the entries of the blocks cached
+//! The positional index: for each position, the entries of the blocks cached
 //! there, each one prefix hash with the set of workers holding it.
 //!
 //! DESIGN's layout is position -> local hash -> entry (prefix + workers). Every probe
