@@ -15,6 +15,7 @@ mod tools;
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::shards::partition;
 use kvindex_client::{LookupClient, Query};
+use kvindex_core::hash::{BlockHash, StoredBlock};
 use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::{Event, LocalHash, ReferenceIndex, WorkerId};
 use std::collections::{BTreeSet, HashMap};
@@ -203,4 +204,105 @@ async fn a_sharded_deployment_answers_as_one_index_through_its_faults() {
         let want: BTreeSet<u64> = (0..WORKERS).filter(|&w| partition(w, 2) == k as u32).collect();
         assert_eq!(local_workers(d).await, want, "shard {k} of 2 holds exactly its workers");
     }
+}
+
+/// Polls until `d` has written more than `n` snapshots.
+async fn snapshots_past(d: &DaemonProcess, n: f64) {
+    let written =
+        eventually(30, || async { (d.metric("kvindex_snapshot_writes_total{result=\"ok\"}").await > n).then_some(()) }).await;
+    assert!(written.is_some(), "no snapshot written in 30 s; log:\n{}", d.log_text());
+}
+
+/// Durable mode per shard: one JetStream stream holds every shard's events under their mapped
+/// subjects, each shard reads its own workers' through a filtered consumer and keeps snapshots
+/// of its own. With every publisher gone and both shards killed, each restarts whole from its
+/// snapshot and the stream after it, holding its own workers alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durable_shards_restart_whole_from_their_own_snapshots_and_the_stream() {
+    let store = std::env::temp_dir().join(format!("kvindex-shards-js-{}-{}", std::process::id(), support::free_port()));
+    let conf = store.with_extension("conf");
+    let lines: Vec<String> =
+        kvindex_client::shards::mappings("t", 2).iter().map(|(f, t)| format!("  \"{f}\": \"{t}\"")).collect();
+    std::fs::write(&conf, format!("mappings = {{\n{}\n}}\n", lines.join("\n"))).expect("writes the mappings");
+    let nats = support::NatsProcess::start_with(
+        support::free_port(),
+        &["-js", "-sd", store.to_str().expect("UTF-8"), "-c", conf.to_str().expect("UTF-8")],
+        &[],
+    )
+    .expect("nats-server with JetStream and the mappings");
+    let url = nats.url();
+    let durable = [
+        ("RESYNC_INTERVAL", "1"),
+        ("READY_SETTLE_MS", "0"),
+        ("INGEST", "jetstream"),
+        ("SNAPSHOT_INTERVAL", "1"),
+        ("SNAPSHOT_EVENTS", "0"),
+    ];
+    let mut shards: Vec<DaemonProcess> =
+        (0..2).map(|k| DaemonProcess::start(&url, &["--shards", "2", "--shard", &k.to_string()], &durable)).collect();
+    for d in shards.iter_mut() {
+        d.wait_ready(15).await;
+    }
+
+    // Worker w holds the first 3(w+1) blocks of one 24-block request.
+    let query: Vec<LocalHash> = (1..=24).map(LocalHash).collect();
+    let mut publishers = Vec::new();
+    for w in 0..8u64 {
+        let p = Publisher::start(async_nats::connect(&url).await.expect("connects"), PublisherConfig::new("t", w, 0))
+            .await
+            .expect("a publisher starts");
+        let blocks: Vec<StoredBlock> = (1..=3 * (w + 1)).map(|i| StoredBlock::new(1000 * (w + 1) + i, i)).collect();
+        p.stored(None, &blocks);
+        p.flush().await;
+        publishers.push(p);
+    }
+    let want = |first: u32| -> Vec<WorkerMatch> {
+        let mut m: Vec<WorkerMatch> = (0..8u64)
+            .map(|w| WorkerMatch { worker: WorkerId::new(w, 0), blocks: if w == 0 { first } else { 3 * (w as u32 + 1) } })
+            .collect();
+        m.sort_unstable_by(|a, b| b.blocks.cmp(&a.blocks).then(a.worker.cmp(&b.worker)));
+        m
+    };
+    let lookups = LookupClient::new(async_nats::connect(&url).await.expect("connects"), "t").with_timeout(Duration::from_secs(2));
+    let answers = |first: u32| {
+        let (lookups, query, want) = (&lookups, &query, want(first));
+        async move {
+            eventually(30, || async { ask(lookups, query).await.filter(|(got, gone)| *got == want && gone.is_empty()) }).await
+        }
+    };
+    assert!(answers(3).await.is_some(), "the two durable shards answer as one index");
+    let written: Vec<f64> =
+        futures::future::join_all(shards.iter().map(|d| d.metric("kvindex_snapshot_writes_total{result=\"ok\"}"))).await;
+    for (d, n) in shards.iter().zip(&written) {
+        snapshots_past(d, *n).await;
+    }
+    // After the snapshots, worker 0 drops its last block: only the stream has that.
+    publishers[0].removed(&[BlockHash(1003)]);
+    publishers[0].flush().await;
+    assert!(answers(2).await.is_some(), "worker 0's removal applied");
+    for p in publishers {
+        p.close().await;
+    }
+
+    for d in shards.iter_mut() {
+        d.kill9();
+    }
+    for d in shards.iter_mut() {
+        d.restart();
+        d.wait_ready(15).await;
+    }
+    assert!(answers(2).await.is_some(), "both shards whole again from their snapshots and the stream, no publisher left");
+    for (k, d) in shards.iter().enumerate() {
+        let mine: BTreeSet<u64> = (0..8).filter(|&w| partition(w, 2) == k as u32).collect();
+        assert_eq!(local_workers(d).await, mine, "shard {k} holds its own workers alone");
+        assert!(d.metric("kvindex_snapshot_restore_seconds").await > 0.0, "shard {k} restored from its own snapshot");
+        assert_eq!(d.metric("kvindex_resync_requests_total{scope=\"all\"}").await, 0.0, "shard {k} needed no publisher");
+    }
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.expect("connects"));
+    for k in 0..2 {
+        js.get_object_store(&format!("T_EVENTS_SNAPSHOTS_S{k}OF2")).await.expect("each shard's own snapshot bucket");
+    }
+    drop(nats);
+    let _ = std::fs::remove_dir_all(&store);
+    let _ = std::fs::remove_file(&conf);
 }

@@ -326,14 +326,17 @@ async fn event_source<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Ar
         .await
         .map_err(|e| anyhow::anyhow!("creating or binding the JetStream stream {name}: {e}"))?;
     let kept_state = kept.info().await.map_err(|e| anyhow::anyhow!("reading stream {name}: {e}"))?.state.clone();
-    state.caught_up.aim_at(kept_state.last_sequence);
+    let end = stream_end(&kept, kept_state.last_sequence, state).await?;
+    state.caught_up.aim_at(end);
     let began = Instant::now();
-    let (mut held, mut deliver_policy, mut restored) = (kept_state.messages, consumer::DeliverPolicy::All, false);
+    // What is left to read (sharded: at most; the stream holds every shard's events).
+    let all = if cfg.shards > 1 { end.saturating_sub(kept_state.first_sequence.saturating_sub(1)) } else { kept_state.messages };
+    let (mut held, mut deliver_policy, mut restored) = (all, consumer::DeliverPolicy::All, false);
     if let Some((snap, bytes)) = snapshot::load(&js, state, kept_state.first_sequence).await {
         let seq = snap.stream_seq;
         snapshot::restore(state, pool, snap, bytes, began).await;
         state.stream_seq.store(seq, Ordering::Relaxed);
-        held = kept_state.last_sequence.saturating_sub(seq);
+        held = end.saturating_sub(seq);
         deliver_policy = consumer::DeliverPolicy::ByStartSequence { start_sequence: seq + 1 };
         restored = true;
     }
@@ -356,10 +359,9 @@ async fn ordered_from(
     use async_nats::jetstream::consumer;
     let name = state.cfg.stream_name();
     let stream = js.get_stream(&name).await.map_err(|e| anyhow::anyhow!("binding stream {name}: {e}"))?;
-    let last = stream.cached_info().state.last_sequence;
+    let last = stream_end(&stream, stream.cached_info().state.last_sequence, state).await?;
     // Sharded: one stream for every shard, each shard's consumer reading its own workers.
-    let filter_subject =
-        if state.cfg.shards > 1 { format!("{}*{}", state.events_prefix, state.shard_suffix) } else { String::new() };
+    let filter_subject = if state.cfg.shards > 1 { shard_subjects(state) } else { String::new() };
     let ordered = stream
         .create_consumer(consumer::pull::OrderedConfig { deliver_policy, filter_subject, ..Default::default() })
         .await
@@ -387,6 +389,27 @@ async fn ordered_from(
         }
     });
     Ok((Box::pin(messages), last))
+}
+
+/// This shard's events subjects as the server maps them: `{prefix}.events.*.{k}`.
+fn shard_subjects(state: &State) -> String {
+    format!("{}*{}", state.events_prefix, state.shard_suffix)
+}
+
+/// The stream sequence a replica must have ingested to be caught up, given the stream's last
+/// (`last_sequence`): that, or in a sharded deployment the last message on this shard's
+/// subjects (0 if none), since its consumer delivers those alone and another shard's last
+/// message would never come.
+async fn stream_end(stream: &async_nats::jetstream::stream::Stream, last_sequence: u64, state: &State) -> anyhow::Result<u64> {
+    use async_nats::jetstream::stream::LastRawMessageErrorKind;
+    if state.cfg.shards <= 1 {
+        return Ok(last_sequence);
+    }
+    match stream.get_last_raw_message_by_subject(&shard_subjects(state)).await {
+        Ok(m) => Ok(m.sequence),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(0),
+        Err(e) => Err(anyhow::anyhow!("reading the last message of {} in the stream: {e}", shard_subjects(state))),
+    }
 }
 
 /// JetStream: the replay is done once the stream has nothing more pending for this replica
@@ -450,7 +473,10 @@ async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<State>, reo
         tick.tick().await;
         let info = async {
             match js.get_stream(&name).await {
-                Ok(mut stream) => stream.info().await.map(|i| i.state.last_sequence).map_err(|e| e.to_string()),
+                Ok(mut stream) => {
+                    let last = stream.info().await.map(|i| i.state.last_sequence).map_err(|e| e.to_string())?;
+                    stream_end(&stream, last, &state).await.map_err(|e| e.to_string())
+                }
                 Err(e) => Err(e.to_string()),
             }
         };
