@@ -13,12 +13,17 @@ mod tools;
 use tools::demo::{run, DemoConfig, Live, Policy};
 use tools::trace::read_trace_file;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
+/// The shipped trace's first 2,000 requests.
+fn trace() -> Vec<tools::trace::TraceRequest> {
     let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
     let mut trace = read_trace_file(path.as_ref()).expect("shipped trace");
     trace.truncate(2000);
-    let cfg = DemoConfig {
+    trace
+}
+
+/// The demo on its own NATS and kvindex (`shards` of them), 16 workers a fleet.
+fn config(shards: u32, burst: bool) -> DemoConfig {
+    DemoConfig {
         nats_url: None,
         kvindex_metrics: None,
         prefix: "demo".into(),
@@ -31,9 +36,14 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
         seed: 42,
         repeat: false,
         live: Live::Off,
-        burst: true,
-        shards: 1,
-    };
+        burst,
+        shards,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
+    let (trace, cfg) = (trace(), config(1, true));
     let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs");
     let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
     let (kv, oracle, rr, random) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin), rate(Policy::Random));
@@ -66,24 +76,7 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
 /// as one index does, as close to the oracle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_shards_route_as_well_as_one_index() {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl");
-    let mut trace = read_trace_file(path.as_ref()).expect("shipped trace");
-    trace.truncate(2000);
-    let cfg = DemoConfig {
-        nats_url: None,
-        kvindex_metrics: None,
-        prefix: "demo".into(),
-        workers: 16,
-        capacity: 16384,
-        factor: 16,
-        speed: 300.0,
-        load_weight: 1.0,
-        seed: 42,
-        repeat: false,
-        live: Live::Off,
-        burst: false,
-        shards: 3,
-    };
+    let (trace, cfg) = (trace(), config(3, false));
     let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs on three shards");
     let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
     let (kv, oracle, rr) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin));
