@@ -111,6 +111,63 @@ fn every_kvindex_command_line_of_the_deployment_parses() {
     assert!(!out.status.success());
 }
 
+/// Every target name of the workspace whose manifests `cargo metadata` reads at `manifest`.
+fn target_names(manifest: &Path) -> Vec<String> {
+    let out = Command::new(env!("CARGO"))
+        .args(["metadata", "--no-deps", "--offline", "--format-version", "1", "--manifest-path"])
+        .arg(manifest)
+        .output()
+        .expect("runs cargo metadata");
+    assert!(out.status.success(), "cargo metadata of {}: {}", manifest.display(), String::from_utf8_lossy(&out.stderr));
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let mut names: Vec<String> = meta["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .flat_map(|p| p["targets"].as_array().expect("targets").iter())
+        .map(|t| format!("{} {}", t["kind"][0].as_str().unwrap_or("?"), t["name"].as_str().unwrap_or("?")))
+        .collect();
+    names.sort();
+    names
+}
+
+/// The Dockerfile's dependency layer builds a skeleton of the workspace: its own shell step,
+/// run here outside Docker, gives every target the manifests declare (benches included) a
+/// stand-in, so cargo accepts the skeleton's manifests and sees the same targets.
+#[test]
+fn the_dockerfiles_skeleton_has_every_target_of_the_manifests() {
+    let dockerfile = read("Dockerfile");
+    let start = dockerfile.find("RUN mkdir /skeleton").expect("the skeleton step");
+    let mut step = String::new();
+    for line in dockerfile[start..].lines() {
+        step.push_str(line.trim_end_matches('\\'));
+        step.push(' ');
+        if !line.ends_with('\\') {
+            break;
+        }
+    }
+    let root = repo("");
+    let root = root.to_str().expect("UTF-8").trim_end_matches('/');
+    let scratch = std::env::temp_dir().join(format!("kvindex-skeleton-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).expect("a scratch dir");
+    let skeleton = scratch.join("skeleton");
+    let script = step
+        .trim_start_matches("RUN ")
+        .replace("/skeleton", skeleton.to_str().expect("UTF-8"))
+        .replace("/tmp/metadata.json", scratch.join("metadata.json").to_str().expect("UTF-8"))
+        .replace("/build/", &format!("{root}/"));
+    let out = Command::new("sh").arg("-c").arg(&script).current_dir(root).output().expect("runs sh");
+    assert!(out.status.success(), "the Dockerfile's skeleton step failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        target_names(&skeleton.join("Cargo.toml")),
+        target_names(&repo("Cargo.toml")),
+        "the skeleton's targets are the workspace's"
+    );
+    assert!(skeleton.join("benches/bridge.rs").is_file(), "the bridge bench has its stand-in");
+    let _ = std::fs::remove_dir_all(&scratch);
+}
+
 /// The value after `flag` in a command line.
 fn flag_value<'a>(args: &'a [String], flag: &str) -> Option<&'a str> {
     args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).map(String::as_str)
