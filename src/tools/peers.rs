@@ -45,6 +45,28 @@ impl Names {
         }
         names[i] = worker;
     }
+
+    /// A peer's answer (`scores` reports its own worker numbers and depths for the query cut
+    /// to `max_blocks`) as kvindex's matches: named, filtered and cut as `opts` asks.
+    fn matches(
+        &self,
+        query: &[LocalHash],
+        opts: &MatchOptions,
+        scores: impl FnOnce(&[LocalHash], &mut dyn FnMut(u32, u32)),
+    ) -> Vec<WorkerMatch> {
+        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
+        let names = self.0.read();
+        let mut out = Vec::new();
+        scores(&query[..n], &mut |peer, depth| {
+            let Some(Some(worker)) = names.get(peer as usize) else { return };
+            if opts.workers.as_ref().is_none_or(|f| f.contains(&worker.worker_id)) {
+                out.push(WorkerMatch { worker: *worker, blocks: depth });
+            }
+        });
+        drop(names);
+        cheapest_cut(&mut out, opts.max_matches);
+        out
+    }
 }
 
 /// One adapter per peer: the two share their event API's shape, with their own types.
@@ -150,18 +172,7 @@ macro_rules! peer {
             }
 
             fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
-                let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
-                let names = self.names.0.read();
-                let mut out = Vec::new();
-                self.scores(&query[..n], |peer, depth| {
-                    let Some(Some(worker)) = names.get(peer as usize) else { return };
-                    if opts.workers.as_ref().is_none_or(|f| f.contains(&worker.worker_id)) {
-                        out.push(WorkerMatch { worker: *worker, blocks: depth });
-                    }
-                });
-                drop(names);
-                cheapest_cut(&mut out, opts.max_matches);
-                out
+                self.names.matches(query, opts, |q, report| self.scores(q, report))
             }
 
             fn stats(&self) -> IndexStats {
@@ -702,18 +713,7 @@ impl KvIndex for SmgRadix {
     }
 
     fn find_matches(&self, query: &[LocalHash], opts: &MatchOptions) -> Vec<WorkerMatch> {
-        let n = opts.max_blocks.map_or(query.len(), |m| m.min(query.len()));
-        let names = self.names.0.read();
-        let mut out = Vec::new();
-        self.scores(&query[..n], |holder, depth| {
-            let Some(Some(worker)) = names.get(holder as usize) else { return };
-            if opts.workers.as_ref().is_none_or(|f| f.contains(&worker.worker_id)) {
-                out.push(WorkerMatch { worker: *worker, blocks: depth });
-            }
-        });
-        drop(names);
-        cheapest_cut(&mut out, opts.max_matches);
-        out
+        self.names.matches(query, opts, |q, report| self.scores(q, report))
     }
 
     fn stats(&self) -> IndexStats {

@@ -51,6 +51,20 @@ pub struct ApplyOutcome {
 }
 
 impl ApplyOutcome {
+    /// The first of `blocks` that fit a worker holding `held` blocks under the bound `max`;
+    /// those cut off are counted in `over_limit`.
+    pub(crate) fn within_bound<'a>(&mut self, blocks: &'a [StoredBlock], held: u64, max: u64) -> &'a [StoredBlock] {
+        let room = max.saturating_sub(held);
+        if blocks.len() as u64 > room {
+            self.over_limit += blocks.len() as u64 - room;
+            &blocks[..room as usize]
+        } else {
+            blocks
+        }
+    }
+}
+
+impl ApplyOutcome {
     /// Adds `other` into `self`.
     pub fn add(&mut self, other: &ApplyOutcome) {
         self.stored += other.stored;

@@ -206,13 +206,7 @@ impl RunIndex {
             return out;
         }
         self.thaw(w);
-        let room = self.cfg.max_blocks_per_worker.saturating_sub(w.blocks.len() as u64);
-        let blocks = if blocks.len() as u64 > room {
-            out.over_limit = blocks.len() as u64 - room;
-            &blocks[..room as usize]
-        } else {
-            blocks
-        };
+        let blocks = out.within_bound(blocks, w.blocks.len() as u64, self.cfg.max_blocks_per_worker);
         if blocks.is_empty() {
             return out;
         }
