@@ -25,7 +25,8 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvindex_client::protocol::{LookupRequest, LookupResponse};
+use kvindex_client::protocol::{LookupRequest, LookupResponse, ShardOf};
+use kvindex_client::shards;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
 use serde::{Deserialize, Serialize};
@@ -229,21 +230,20 @@ async fn gather_workers(client: &async_nats::Client, prefix: &str, page: Page) -
     let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
     client.publish_with_reply(format!("{prefix}.inspect.workers"), inbox, body.into()).await.map_err(|e| e.to_string())?;
     let deadline = tokio::time::Instant::now() + SHARDS_WAIT;
-    let (mut got, mut shards): (Vec<(u32, Workers)>, u32) = (Vec::new(), 0);
-    while shards == 0 || got.len() < shards as usize {
+    // Each list with the shard count its shard runs under: lists of two counts (while the
+    // count changes) are never joined.
+    let mut lists: Vec<(ShardOf, Workers)> = Vec::new();
+    while lists.last().is_none_or(|(of, _)| shards::answered(&lists, of.shards) < of.shards) {
         use futures::StreamExt;
         let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await else { break };
         if let Ok(r) = serde_json::from_slice::<ShardWorkers>(&msg.payload) {
-            shards = r.shards;
-            if !got.iter().any(|(k, _)| *k == r.shard) {
-                got.push((r.shard, r.workers));
-            }
+            lists.push((ShardOf { shard: r.shard, shards: r.shards.max(1) }, r.workers));
         }
     }
     let _ = replies.unsubscribe().await;
-    if got.is_empty() {
+    let Some((shards, got)) = shards::one_count(lists) else {
         return Err("no shard answered on {prefix}.inspect.workers".into());
-    }
+    };
     let missing_shards = (0..shards).filter(|k| !got.iter().any(|(s, _)| s == k)).collect();
     let total = got.iter().map(|(_, w)| w.total).sum();
     let mut all: Vec<Worker> = Vec::new();

@@ -251,9 +251,9 @@ impl LookupClient {
         let deadline = tokio::time::Instant::now() + self.timeout;
         // Each answer with the shard count its shard runs under: while the count changes, old
         // and new shards may both answer, and only answers of one count are merged.
-        let mut answers: Vec<(u32, ShardAnswer)> = Vec::new();
+        let mut answers: Vec<(ShardOf, ShardAnswer)> = Vec::new();
         let mut whole = None;
-        while answers.last().is_none_or(|&(count, _)| answered(&answers, count) < count) {
+        while answers.last().is_none_or(|(of, _)| answered(&answers, of.shards) < of.shards) {
             let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(_) => break,
@@ -268,11 +268,9 @@ impl LookupClient {
                     break;
                 }
                 (answer, Some(of)) => {
-                    let count = of.shards.max(1);
-                    if !answers.iter().any(|(n, a)| *n == count && a.shard == of.shard) {
-                        let answer = ShardAnswer { shard: of.shard, groups: answer.groups, stale_workers: answer.stale_workers };
-                        answers.push((count, answer));
-                    }
+                    let of = ShardOf { shards: of.shards.max(1), ..of };
+                    answers
+                        .push((of, ShardAnswer { shard: of.shard, groups: answer.groups, stale_workers: answer.stale_workers }));
                 }
             }
         }
@@ -281,9 +279,10 @@ impl LookupClient {
             self.shards.store(1, Ordering::Relaxed);
             return Ok(answer.into_answer(1, Vec::new()));
         }
-        let Some((shards, answers)) = one_count(answers) else {
+        let Some((shards, kept)) = one_count(answers) else {
             return Err(self.timed_out());
         };
+        let answers: Vec<ShardAnswer> = kept.into_iter().map(|(_, a)| a).collect();
         self.shards.store(shards, Ordering::Relaxed);
         let (groups, stale_workers) = merge(&answers, shards, limit);
         let missing = (0..shards).filter(|k| !answers.iter().any(|a| a.shard == *k)).collect();

@@ -8,7 +8,7 @@
 //! modulo `S`: [`partition`] computes the same, so that a publisher can tell whether a resync
 //! broadcast is its shard's, and a client which shard's answer about a worker is the owner's.
 
-use crate::protocol::{MatchGroup, WorkerPair, WorkerRef};
+use crate::protocol::{MatchGroup, ShardOf, WorkerPair, WorkerRef};
 use kvindex_core::index::rotation;
 
 /// The shard (of `shards`) that owns `worker_id`: what the NATS server's `partition(S, 1)`
@@ -45,21 +45,28 @@ pub struct ShardAnswer {
     pub stale_workers: Vec<WorkerRef>,
 }
 
-/// How many of shards `0..count` answered under `count`, in answers each tagged with the
-/// shard count its shard runs under.
-pub fn answered(answers: &[(u32, ShardAnswer)], count: u32) -> u32 {
-    (0..count).filter(|k| answers.iter().any(|(n, a)| *n == count && a.shard == *k)).count() as u32
+/// How many of shards `0..count` answered under `count`, in answers each tagged with the shard
+/// that gave it and the count it runs under (a shard answering twice counts once).
+pub fn answered<T>(answers: &[(ShardOf, T)], count: u32) -> u32 {
+    (0..count).filter(|k| answers.iter().any(|(of, _)| of.shards == count && of.shard == *k)).count() as u32
 }
 
 /// Of answers gathered under different shard counts (while the count changes, old and new
 /// shards both answer), the count most completely answered (the larger on a tie) and its
-/// answers alone: answers of two counts are never merged. `None` when there are none.
-pub fn one_count(answers: Vec<(u32, ShardAnswer)>) -> Option<(u32, Vec<ShardAnswer>)> {
-    let count = answers.iter().map(|(n, _)| *n).max_by(|&a, &b| {
+/// answers alone, one per shard: answers of two counts are never merged. `None` when there
+/// are none.
+pub fn one_count<T>(answers: Vec<(ShardOf, T)>) -> Option<(u32, Vec<(u32, T)>)> {
+    let count = answers.iter().map(|(of, _)| of.shards).max_by(|&a, &b| {
         let (fa, fb) = (u64::from(answered(&answers, a)) * u64::from(b), u64::from(answered(&answers, b)) * u64::from(a));
         fa.cmp(&fb).then(a.cmp(&b))
     })?;
-    Some((count, answers.into_iter().filter(|(n, _)| *n == count).map(|(_, a)| a).collect()))
+    let mut kept: Vec<(u32, T)> = Vec::new();
+    for (of, a) in answers {
+        if of.shards == count && !kept.iter().any(|(k, _)| *k == of.shard) {
+            kept.push((of.shard, a));
+        }
+    }
+    Some((count, kept))
 }
 
 /// The answer one index holding every worker would give, from the shards' answers: groups
@@ -171,17 +178,21 @@ mod tests {
             groups: vec![MatchGroup { blocks: 5, workers: vec![WorkerPair(w, 0)], ..Default::default() }],
             stale_workers: vec![],
         };
+        let at = |shards: u32, shard: u32, w: u64| (ShardOf { shard, shards }, from(shard, w));
+        let workers = |kept: &[(u32, ShardAnswer)]| kept.iter().map(|(_, a)| a.groups[0].workers[0].0).collect::<Vec<_>>();
         // While three shards become two: the new shards 0 and 1 of 2 both answered, the old
         // shard 0 of 3 too (it shares shard 0's queue group). The count of 2 is whole.
-        let (count, kept) = one_count(vec![(2, from(0, 10)), (3, from(0, 11)), (2, from(1, 12))]).expect("answers");
-        assert_eq!((count, kept.iter().map(|a| a.groups[0].workers[0].0).collect::<Vec<_>>()), (2, vec![10, 12]));
+        let (count, kept) = one_count(vec![at(2, 0, 10), at(3, 0, 11), at(2, 1, 12)]).expect("answers");
+        assert_eq!((count, workers(&kept)), (2, vec![10, 12]));
         // The old shard took shard 0's request: one of two new shards (a half) beats one of
         // three old ones (a third); the answer is partial, never a mix of both counts.
-        let (count, kept) = one_count(vec![(3, from(0, 11)), (2, from(1, 12)), (3, from(2, 13))]).expect("answers");
-        assert_eq!((count, kept.len()), (3, 2), "two of three old shards beat one of two new ones");
-        let (count, kept) = one_count(vec![(3, from(0, 11)), (2, from(1, 12))]).expect("answers");
-        assert_eq!((count, kept.len()), (2, 1));
-        assert_eq!(answered(&[(2, from(1, 12)), (2, from(1, 12))], 2), 1, "a shard answering twice counts once");
-        assert!(one_count(vec![]).is_none());
+        let (count, kept) = one_count(vec![at(3, 0, 11), at(2, 1, 12), at(3, 2, 13)]).expect("answers");
+        assert_eq!((count, workers(&kept)), (3, vec![11, 13]), "two of three old shards beat one of two new ones");
+        let (count, kept) = one_count(vec![at(3, 0, 11), at(2, 1, 12)]).expect("answers");
+        assert_eq!((count, workers(&kept)), (2, vec![12]));
+        assert_eq!(answered(&[at(2, 1, 12), at(2, 1, 12)], 2), 1, "a shard answering twice counts once");
+        let (_, kept) = one_count(vec![at(2, 1, 12), at(2, 1, 14)]).expect("answers");
+        assert_eq!(workers(&kept), vec![12], "one answer per shard, the first");
+        assert!(one_count::<ShardAnswer>(vec![]).is_none());
     }
 }
