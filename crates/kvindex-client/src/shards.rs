@@ -17,8 +17,18 @@ pub fn partition(worker_id: u64, shards: u32) -> u32 {
     if shards <= 1 {
         return 0;
     }
+    // The decimal digits, on the stack: this runs per event batch and per merged worker.
+    let (mut digits, mut at, mut n) = ([0u8; 20], 20, worker_id);
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
     let mut h: u32 = 0x811c_9dc5;
-    for b in worker_id.to_string().bytes() {
+    for &b in &digits[at..] {
         h ^= u32::from(b);
         h = h.wrapping_mul(0x0100_0193);
     }
