@@ -1,6 +1,8 @@
 # kvindex: a multi-stage build. The builder compiles the dependencies in a layer of their own
-# (rebuilt only when a manifest or Cargo.lock changes), then the workspace; the runtime image
-# holds the binary, its config, the demo trace and nothing else, and runs as a non-root user.
+# (rebuilt only when a manifest or Cargo.lock changes), then the workspace. Two images, on one
+# slim base that runs as a non-root user: the default target, `kvindex` (the daemon and its CLI,
+# its config, nothing else), and `demo` (the development tools' binary and the Mooncake trace:
+# the compose stack's load generator; `docker build --target demo`).
 
 # The skeleton of the workspace: every manifest, Cargo.lock, and an empty stand-in for each
 # target that `cargo metadata` lists (libraries, binaries, benches, tests, examples, build
@@ -22,21 +24,32 @@ WORKDIR /build
 # The binary is stripped below: debug info would only cost build time.
 ENV CARGO_PROFILE_RELEASE_DEBUG=0
 COPY --from=planner /skeleton/ ./
-RUN cargo build --release --locked --bin kvindex
+RUN cargo build --release --locked --bin kvindex --bin kvindex-tools
 # Then the workspace itself; its sources are touched so that none of the skeleton's empty
 # stand-ins built above can pass for them.
 COPY . .
 RUN find . -path ./target -prune -o -name '*.rs' -exec touch {} + \
- && cargo build --release --locked --bin kvindex \
- && strip target/release/kvindex
+ && cargo build --release --locked --bin kvindex --bin kvindex-tools \
+ && strip target/release/kvindex target/release/kvindex-tools
 
-FROM debian:bookworm-slim
+FROM debian:bookworm-slim AS base
 RUN useradd --system --no-create-home --uid 10001 kvindex
 WORKDIR /usr/share/kvindex
-# The working directory holds what the defaults name: config/kvindex.toml and the demo's trace.
+# The working directory holds what the defaults name: config/kvindex.toml (and, in the demo
+# image, the demo's trace).
 COPY LICENSE LICENSE
 COPY config/kvindex.toml config/kvindex.toml
+
+# The load generator: `kvindex-tools demo --loop` against a running kvindex.
+FROM base AS demo
 COPY data/traces/conversation_trace.jsonl data/traces/LICENSE-APACHE data/traces/README.md data/traces/
+COPY --from=builder /build/target/release/kvindex-tools /usr/local/bin/kvindex-tools
+USER kvindex
+ENTRYPOINT ["kvindex-tools"]
+CMD ["demo", "--help"]
+
+# The daemon (the default target: the last stage).
+FROM base AS kvindex
 COPY --from=builder /build/target/release/kvindex /usr/local/bin/kvindex
 USER kvindex
 # glibc backs the index's large hash tables with transparent huge pages where the kernel grants

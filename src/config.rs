@@ -4,6 +4,8 @@
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
+use kvindex_client::nats::NatsSettings;
+use kvindex_client::protocol::check_prefix;
 use kvindex_core::index::positional::PositionalConfig;
 use kvindex_core::index::Backend;
 use serde::{Deserialize, Serialize};
@@ -22,10 +24,10 @@ pub enum Ingest {
 /// Everything `kvindex serve` can be told. Every field has a default; `config/kvindex.toml`
 /// lists them all with comments.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Config {
-    /// NATS server(s), comma-separated (every member of a NATS cluster).
-    pub nats_url: String,
+    /// Where NATS is: servers, credentials, TLS (`nats_*` keys).
+    #[serde(flatten)]
+    pub nats: NatsSettings,
     /// Subject prefix: one per model or deployment.
     pub prefix: String,
     /// Shards of the deployment: each applies the events of its own workers, as the NATS
@@ -113,89 +115,16 @@ pub struct Config {
     /// `ready_timeout` seconds.
     pub ready_settle_ms: u64,
     pub ready_timeout: u64,
-    /// NATS credentials file (`.creds`).
-    pub nats_creds: Option<String>,
-    /// NATS user and password.
-    pub nats_user: Option<String>,
-    pub nats_password: Option<String>,
-    /// NATS token.
-    pub nats_token: Option<String>,
-    /// CA certificate (PEM) to verify the NATS server.
-    pub nats_tls_ca: Option<String>,
-    /// Client certificate and key (PEM) for mutual TLS.
-    pub nats_tls_cert: Option<String>,
-    pub nats_tls_key: Option<String>,
-    /// Require TLS.
-    pub nats_require_tls: bool,
     /// Seconds a shutdown may take to apply queued events and answer lookups in flight; past
     /// it the process exits anyway (a pod must not hang terminating while NATS is away).
     pub shutdown_grace: u64,
-    /// `kvindex bridge`'s own settings (the `[bridge]` table); the bridge shares the NATS
-    /// settings above. Not serialized, so it is no key of the serve layers.
-    #[serde(default, skip_serializing)]
-    pub bridge: BridgeSettings,
-}
-
-/// What `kvindex bridge` is told beyond the NATS settings it shares with `serve`. Layers:
-/// defaults < the file's `[bridge]` table < `KVINDEX_BRIDGE_*` environment < flags.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct BridgeSettings {
-    /// The engine's ZMQ PUB endpoint (rank 0); rank r publishes on its port + r.
-    pub zmq: String,
-    /// The engine's ZMQ ROUTER for replay (rank 0; rank r on its port + r); none: a gap
-    /// cannot be replayed and starts a new epoch instead.
-    pub replay: Option<String>,
-    /// The worker id the engine's blocks are published under.
-    pub worker_id: u64,
-    /// The engine's data-parallel ranks, one ZMQ endpoint each.
-    pub dp_ranks: Vec<u32>,
-    /// Tokens per block, for events that do not carry `block_size`.
-    pub block_size: Option<u32>,
-    /// Where the bridge serves `/metrics`, `/healthz` and `/readyz`.
-    pub metrics_addr: String,
-    /// Milliseconds to wait for each replayed batch before giving the replay up.
-    pub replay_timeout_ms: u64,
-}
-
-impl Default for BridgeSettings {
-    fn default() -> Self {
-        BridgeSettings {
-            zmq: "tcp://127.0.0.1:5557".into(),
-            replay: None,
-            worker_id: 0,
-            dp_ranks: vec![0],
-            block_size: None,
-            metrics_addr: "0.0.0.0:9465".into(),
-            replay_timeout_ms: 2000,
-        }
-    }
-}
-
-impl BridgeSettings {
-    /// Lays the `KVINDEX_BRIDGE_*` environment (lists as `[0,1]`) and the flags over `self`
-    /// (the file's table).
-    pub fn layered(self, flags: &BridgeOverrides) -> Result<BridgeSettings, String> {
-        let cfg: BridgeSettings = Figment::from(Serialized::defaults(self))
-            .merge(Env::prefixed("KVINDEX_BRIDGE_"))
-            .merge(Serialized::defaults(flags))
-            .extract()
-            .map_err(|e| e.into_iter().map(|e| format!("configuration: bridge: {e}")).collect::<Vec<_>>().join("; "))?;
-        if cfg.dp_ranks.is_empty() || cfg.dp_ranks.len() > 1024 {
-            return Err("configuration: bridge: dp_ranks: 1 to 1024 ranks".into());
-        }
-        if cfg.metrics_addr.parse::<std::net::SocketAddr>().is_err() {
-            return Err("configuration: bridge: metrics_addr: must be host:port with an IP address".into());
-        }
-        Ok(cfg)
-    }
 }
 
 impl Default for Config {
     fn default() -> Self {
         let index = PositionalConfig::default();
         Config {
-            nats_url: "nats://127.0.0.1:4222".into(),
+            nats: NatsSettings::default(),
             prefix: "kv".into(),
             shards: 1,
             shard: 0,
@@ -232,16 +161,7 @@ impl Default for Config {
             resync_max_interval: 30,
             ready_settle_ms: 500,
             ready_timeout: 10,
-            nats_creds: None,
-            nats_user: None,
-            nats_password: None,
-            nats_token: None,
-            nats_tls_ca: None,
-            nats_tls_cert: None,
-            nats_tls_key: None,
-            nats_require_tls: false,
             shutdown_grace: 10,
-            bridge: BridgeSettings::default(),
         }
     }
 }
@@ -268,44 +188,55 @@ impl RoutedOnly {
     }
 }
 
-/// `kvindex bridge` flags; `None` leaves the lower layers' value.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct BridgeOverrides {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub zmq: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub replay: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub worker_id: Option<u64>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub dp_ranks: Option<Vec<u32>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub block_size: Option<u32>,
+/// `kvindex serve`'s flags: each overrides the file and the environment (`None` leaves the
+/// lower layers' value).
+#[derive(Clone, Debug, Default, Serialize, clap::Args)]
+pub struct Flags {
+    /// Where NATS is and the subject prefix (shared with `kvindex bridge`).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub connect: ConnectFlags,
+    /// Address of /metrics, /healthz, /readyz [KVINDEX_METRICS_ADDR].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_addr: Option<String>,
-}
-
-/// Values given on the command line; `None` leaves the lower layers' value.
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct Overrides {
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub nats_url: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub prefix: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub metrics_addr: Option<String>,
+    /// Address of the inspect API, "" for none [KVINDEX_INSPECT_ADDR].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inspect_addr: Option<String>,
+    /// Apply threads, 0 for one per core less one [KVINDEX_APPLY_THREADS].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub apply_threads: Option<usize>,
+    /// Seconds of silence after which a worker is dropped, 0 for never [KVINDEX_WORKER_TTL].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub worker_ttl: Option<u64>,
+    /// Index backend: runs (the default) or positional [KVINDEX_BACKEND].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend: Option<Backend>,
+    /// Shards of a deployment sharded by worker [KVINDEX_SHARDS].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shards: Option<u32>,
+    /// This daemon's shard, from 0 [KVINDEX_SHARD].
+    #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shard: Option<u32>,
+}
+
+/// The flags `serve` and `bridge` share: where NATS is, and the subject prefix.
+#[derive(Clone, Debug, Default, Serialize, clap::Args)]
+pub struct ConnectFlags {
+    /// NATS server(s), comma-separated [KVINDEX_NATS_URL].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nats_url: Option<String>,
+    /// Subject prefix, one per model or deployment [KVINDEX_PREFIX].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefix: Option<String>,
 }
 
 /// A provider under a name of ours, so that `kvindex config` can tell the layers apart.
@@ -357,16 +288,21 @@ pub fn explain_table(values: &[Explained]) -> String {
 }
 
 impl Config {
+    /// The defaults, with NATS at `nats_url` (tests and tools start daemons so).
+    pub fn with_nats_url(nats_url: impl Into<String>) -> Config {
+        Config { nats: NatsSettings { nats_url: nats_url.into(), ..NatsSettings::default() }, ..Config::default() }
+    }
+
     /// Loads the layers. `file` is `--config`; without it `config/kvindex.toml` is read if
     /// present. An error names the key and the reason.
-    pub fn load(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<Config, String> {
-        Ok(Self::load_figment(file, env, overrides)?.0)
+    pub fn load(file: Option<&Path>, env: Env, flags: &Flags) -> Result<Config, String> {
+        Ok(Self::load_figment(file, env, flags)?.0)
     }
 
     /// The effective configuration, key by key, with the layer each value comes from (what
     /// `kvindex config` prints). Fails as [`Config::load`] does.
-    pub fn explain(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<Vec<Explained>, String> {
-        let (cfg, fig) = Self::load_figment(file, env, overrides)?;
+    pub fn explain(file: Option<&Path>, env: Env, flags: &Flags) -> Result<Vec<Explained>, String> {
+        let (cfg, fig) = Self::load_figment(file, env, flags)?;
         let serde_json::Value::Object(values) = serde_json::to_value(&cfg).map_err(|e| e.to_string())? else {
             return Err("the configuration is not a map".into());
         };
@@ -389,7 +325,7 @@ impl Config {
             .collect())
     }
 
-    fn load_figment(file: Option<&Path>, env: Env, overrides: &Overrides) -> Result<(Config, Figment), String> {
+    fn load_figment(file: Option<&Path>, env: Env, flags: &Flags) -> Result<(Config, Figment), String> {
         let mut fig = Figment::from(Named { name: "default", inner: Serialized::defaults(Config::default()) });
         match file {
             Some(f) if !f.exists() => return Err(format!("config file {} does not exist", f.display())),
@@ -398,11 +334,25 @@ impl Config {
         }
         let fig = fig
             .merge(Named { name: "environment", inner: env })
-            .merge(Named { name: "flag", inner: Serialized::defaults(overrides) });
+            .merge(Named { name: "flag", inner: Serialized::defaults(flags) });
+        Self::known_keys_only(&fig)?;
         let cfg: Config =
             fig.extract().map_err(|e| e.into_iter().map(|e| format!("configuration: {e}")).collect::<Vec<_>>().join("; "))?;
         cfg.validate()?;
         Ok((cfg, fig))
+    }
+
+    /// Refuses a key no layer should hold (a typo in the file): serde would pass over it. The
+    /// `[bridge]` table is `kvindex bridge`'s, read by the bridge from the same file.
+    fn known_keys_only(fig: &Figment) -> Result<(), String> {
+        let known = Self::keys();
+        let data = fig.data().map_err(|e| format!("configuration: {e}"))?;
+        for key in data.values().flat_map(|dict| dict.keys()) {
+            if key != "bridge" && !known.iter().any(|k| k == key) {
+                return Err(format!("configuration: unknown key `{key}` (docs/CONFIGURATION.md lists them)"));
+            }
+        }
+        Ok(())
     }
 
     /// The `KVINDEX_*` environment layer, restricted to the keys [`Config`] has. Other
@@ -430,22 +380,6 @@ impl Config {
         }
     }
 
-    /// The servers of `nats_url`, comma-separated (the members of a NATS cluster, say): the
-    /// client connects to any of them and moves to another when it loses its own.
-    pub fn nats_servers(&self) -> Result<Vec<async_nats::ServerAddr>, String> {
-        let servers = self
-            .nats_url
-            .split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(|s| s.parse::<async_nats::ServerAddr>().map_err(|e| format!("{s:?}: {e}")))
-            .collect::<Result<Vec<_>, _>>()?;
-        if servers.is_empty() {
-            return Err("no server given".into());
-        }
-        Ok(servers)
-    }
-
     /// In a sharded deployment, this daemon's shard of how many (`None`: not sharded).
     pub fn shard_of(&self) -> Option<kvindex_client::protocol::ShardOf> {
         (self.shards > 1).then_some(kvindex_client::protocol::ShardOf { shard: self.shard, shards: self.shards })
@@ -463,11 +397,11 @@ impl Config {
 
     fn validate(&self) -> Result<(), String> {
         let bad = |key: &str, why: &str| Err(format!("configuration: {key}: {why}"));
-        if let Err(why) = self.nats_servers() {
-            return bad("nats_url", &why);
+        if let Err(why) = self.nats.validate() {
+            return Err(format!("configuration: {why}"));
         }
-        if self.prefix.is_empty() || self.prefix.contains(['*', '>', ' ']) || self.prefix.ends_with('.') {
-            return bad("prefix", "must be a non-empty NATS subject without wildcards, spaces or a trailing dot");
+        if let Err(why) = check_prefix(&self.prefix) {
+            return bad("prefix", &why);
         }
         if self.shards == 0 || self.shard >= self.shards {
             return bad("shard", "shards at least 1, and shard from 0 to shards - 1");
@@ -511,9 +445,6 @@ impl Config {
                 return bad("snapshot_keep", "at least 1 (the newest snapshot is what a restart loads)");
             }
         }
-        if self.nats_tls_cert.is_some() != self.nats_tls_key.is_some() {
-            return bad("nats_tls_cert", "nats_tls_cert and nats_tls_key go together");
-        }
         Ok(())
     }
 
@@ -554,51 +485,18 @@ mod tests {
     use figment::Jail;
 
     #[test]
-    fn nats_url_lists_the_servers_of_a_cluster() {
-        let with = |url: &str| Config { nats_url: url.into(), ..Config::default() };
-        let servers = with("nats://10.0.0.1:4222, nats://10.0.0.2:4222,nats://10.0.0.3:4223").nats_servers().unwrap();
-        let ports: Vec<u16> = servers.iter().map(|s| s.port()).collect();
-        assert_eq!(ports, vec![4222, 4222, 4223]);
-        assert_eq!(servers[1].host(), "10.0.0.2");
-        assert!(with(" , ").validate().unwrap_err().contains("nats_url"));
-        assert!(with("nats://a:4222,nats://b:notaport").validate().unwrap_err().contains("notaport"));
-    }
-
-    #[test]
     fn layers_apply_in_order() {
         Jail::expect_with(|jail| {
             jail.create_file("k.toml", "prefix = \"from-file\"\nworker_ttl = 7\njump = 9\n")?;
             jail.set_env("KVINDEX_PREFIX", "from-env");
             jail.set_env("KVINDEX_JUMP", "11");
-            let over = Overrides { prefix: Some("from-flag".into()), ..Default::default() };
+            let over =
+                Flags { connect: ConnectFlags { prefix: Some("from-flag".into()), ..Default::default() }, ..Default::default() };
             let cfg = Config::load(Some(Path::new("k.toml")), Config::env(), &over).map_err(figment::Error::from)?;
             assert_eq!(cfg.prefix, "from-flag");
             assert_eq!(cfg.jump, 11);
             assert_eq!(cfg.worker_ttl, 7);
-            assert_eq!(cfg.nats_url, "nats://127.0.0.1:4222");
-            Ok(())
-        });
-    }
-
-    #[test]
-    fn bridge_settings_layer_file_env_flags() {
-        Jail::expect_with(|jail| {
-            jail.create_file(
-                "b.toml",
-                "prefix = \"p\"\n[bridge]\nzmq = \"tcp://engine:5557\"\nworker_id = 3\ndp_ranks = [0, 1]\n",
-            )?;
-            jail.set_env("KVINDEX_BRIDGE_WORKER_ID", "4");
-            jail.set_env("KVINDEX_BRIDGE_DP_RANKS", "[0,1,2]");
-            let cfg =
-                Config::load(Some(Path::new("b.toml")), Config::env(), &Overrides::default()).map_err(figment::Error::from)?;
-            assert_eq!((cfg.prefix.as_str(), cfg.bridge.worker_id), ("p", 3), "the file's table");
-            let flags = BridgeOverrides { block_size: Some(16), ..Default::default() };
-            let b = cfg.bridge.layered(&flags).map_err(figment::Error::from)?;
-            assert_eq!(b.zmq, "tcp://engine:5557");
-            assert_eq!((b.worker_id, b.dp_ranks, b.block_size), (4, vec![0, 1, 2], Some(16)));
-            jail.create_file("typo.toml", "[bridge]\nzmq_url = \"x\"\n")?;
-            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
-            assert!(err.contains("zmq_url"), "{err}");
+            assert_eq!(cfg.nats.nats_url, "nats://127.0.0.1:4222");
             Ok(())
         });
     }
@@ -607,15 +505,15 @@ mod tests {
     fn errors_name_the_key() {
         Jail::expect_with(|jail| {
             jail.create_file("bad.toml", "apply_threads = \"many\"\n")?;
-            let err = Config::load(Some(Path::new("bad.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            let err = Config::load(Some(Path::new("bad.toml")), Config::env(), &Flags::default()).unwrap_err();
             assert!(err.contains("apply_threads"), "{err}");
             jail.create_file("typo.toml", "nats_ulr = \"x\"\n")?;
-            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Flags::default()).unwrap_err();
             assert!(err.contains("nats_ulr"), "{err}");
             jail.set_env("KVINDEX_METRICS_ADDR", "localhost");
-            let err = Config::load(None, Config::env(), &Overrides::default()).unwrap_err();
+            let err = Config::load(None, Config::env(), &Flags::default()).unwrap_err();
             assert!(err.contains("metrics_addr"), "{err}");
-            let err = Config::load(Some(Path::new("missing.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            let err = Config::load(Some(Path::new("missing.toml")), Config::env(), &Flags::default()).unwrap_err();
             assert!(err.contains("does not exist"), "{err}");
             Ok(())
         });
@@ -628,13 +526,13 @@ mod tests {
             jail.set_env("KVINDEX_PORT", "tcp://10.0.0.1:9464");
             jail.set_env("KVINDEX_SERVICE_HOST", "10.0.0.1");
             jail.set_env("KVINDEX_WORKER_TTL", "9");
-            let cfg = Config::load(None, Config::env(), &Overrides::default()).map_err(figment::Error::from)?;
+            let cfg = Config::load(None, Config::env(), &Flags::default()).map_err(figment::Error::from)?;
             assert_eq!(cfg.worker_ttl, 9, "known variables still apply");
             let mut ignored = Config::ignored_env();
             ignored.sort();
             assert_eq!(ignored, ["KVINDEX_PORT", "KVINDEX_SERVICE_HOST"]);
             jail.create_file("typo.toml", "port = 9464\n")?;
-            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Overrides::default()).unwrap_err();
+            let err = Config::load(Some(Path::new("typo.toml")), Config::env(), &Flags::default()).unwrap_err();
             assert!(err.contains("port"), "{err}");
             Ok(())
         });
@@ -646,7 +544,8 @@ mod tests {
             jail.create_file("k.toml", "worker_ttl = 7\njump = 9\nnats_password = \"hunter2\"\n")?;
             jail.set_env("KVINDEX_JUMP", "11");
             jail.set_env("KVINDEX_PREFIX", "from-env");
-            let over = Overrides { prefix: Some("from-flag".into()), ..Default::default() };
+            let over =
+                Flags { connect: ConnectFlags { prefix: Some("from-flag".into()), ..Default::default() }, ..Default::default() };
             let all = Config::explain(Some(Path::new("k.toml")), Config::env(), &over).map_err(figment::Error::from)?;
             let get = |key: &str| all.iter().find(|e| e.key == key).unwrap_or_else(|| panic!("{key} listed")).clone();
             assert_eq!((get("prefix").value, get("prefix").source), (serde_json::json!("from-flag"), "flag --prefix".into()));
@@ -662,7 +561,7 @@ mod tests {
             assert!(table.contains("# nats_user (not set)"), "{table}");
             // An invalid value is an error, as for `serve`.
             jail.set_env("KVINDEX_METRICS_ADDR", "localhost");
-            assert!(Config::explain(None, Config::env(), &Overrides::default()).unwrap_err().contains("metrics_addr"));
+            assert!(Config::explain(None, Config::env(), &Flags::default()).unwrap_err().contains("metrics_addr"));
             Ok(())
         });
     }
@@ -670,7 +569,7 @@ mod tests {
     #[test]
     fn shipped_file_parses_and_matches_the_defaults() {
         let path = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/config/kvindex.toml"));
-        let cfg = Config::load(Some(path), Env::prefixed("KVINDEX_TEST_UNSET_"), &Overrides::default()).unwrap();
+        let cfg = Config::load(Some(path), Env::prefixed("KVINDEX_TEST_UNSET_"), &Flags::default()).unwrap();
         assert_eq!(cfg, Config::default());
     }
 }

@@ -11,16 +11,14 @@
 //! - [`apply`]: the apply pool: one thread owns each worker's writes, queues are bounded.
 //! - [`config`]: layered configuration (defaults, file, `KVINDEX_*` environment, flags).
 //! - [`metrics`]: the Prometheus metrics.
-//! - [`bridge`]: `kvindex bridge`: the sidecar that turns an engine's ZMQ KV events (vLLM,
-//!   SGLang, TensorRT-LLM) into kvindex's protocol.
+//! - [`cli`]: the `kvindex` command line (`src/main.rs` only calls it).
 //!
 //! The index itself is the `kvindex-core` crate; the wire protocol, the publisher and the
-//! lookup client are `kvindex-client`. The binary (`src/main.rs`) is a thin CLI over this
-//! library plus its tooling in `src/tools/` (benchmarks, the end-to-end run, the mock engine),
-//! which is not library API.
+//! lookup client are `kvindex-client`; `kvindex bridge` is `kvindex-bridge`; the benchmarks,
+//! the demo and the test harness are `kvindex-tools`.
 
 pub mod apply;
-pub mod bridge;
+pub mod cli;
 pub mod config;
 pub mod metrics;
 pub mod service;

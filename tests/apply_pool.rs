@@ -1,11 +1,7 @@
 //! The apply pool: per-worker order, backpressure, flush, worker removal, and lookups running
 //! while several threads write.
 
-// The CLI's tooling (mock engine, replay stream, bench), included by path: it is part of the
-// binary, not library API.
-#[allow(dead_code)]
-#[path = "../src/tools/mod.rs"]
-mod tools;
+use kvindex_tools as tools;
 
 use kvindex::apply::{ApplyPool, OnApplied};
 use kvindex_core::hash::{LocalHash, WorkerId};
@@ -18,9 +14,9 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
-use tools::bench::Workload;
 use tools::stream::Op;
 use tools::trace::{read_trace_file, MockConfig, MockEngine};
+use tools::workload::Workload;
 
 fn workload() -> Workload {
     let trace = read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).unwrap();

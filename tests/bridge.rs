@@ -7,9 +7,11 @@
 mod support;
 
 use bytes::Bytes;
-use kvindex::config::{BridgeSettings, Config};
+use kvindex_bridge::fake::{arr, ints, map, s};
+use kvindex_bridge::{BridgeConfig, BridgeSettings};
 use kvindex_client::{LookupClient, Query};
 use kvindex_core::hash::{local_hashes, with_extra_keys, LocalHash};
+use kvindex_tools::harness::Bridge;
 use parking_lot::Mutex;
 use rmpv::Value;
 use std::sync::Arc;
@@ -17,25 +19,7 @@ use support::{eventually, free_port, http_get, metric_value, Daemon, NatsServer}
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn enc(v: &Value) -> Bytes {
-    let mut b = Vec::new();
-    rmpv::encode::write_value(&mut b, v).unwrap();
-    b.into()
-}
-
-fn s(x: &str) -> Value {
-    Value::from(x)
-}
-
-fn arr(v: Vec<Value>) -> Value {
-    Value::Array(v)
-}
-
-fn map(kv: Vec<(&str, Value)>) -> Value {
-    Value::Map(kv.into_iter().map(|(k, v)| (s(k), v)).collect())
-}
-
-fn ints(v: impl IntoIterator<Item = u64>) -> Value {
-    arr(v.into_iter().map(Value::from).collect())
+    kvindex_bridge::fake::encode(v).into()
 }
 
 /// Tokens of blocks `from..to` of a request whose token i is i (4 tokens per block).
@@ -133,27 +117,19 @@ async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     let mut rank0 = Rank::start(pub_port, replay_port, true).await;
     let mut rank1 = Rank::start(pub_port + 1, replay_port + 1, false).await;
 
-    let metrics_addr = format!("127.0.0.1:{}", free_port());
-    let cfg = Config {
-        nats_url: nats.url(),
-        prefix: daemon.cfg.prefix.clone(),
-        bridge: BridgeSettings {
-            zmq: format!("tcp://127.0.0.1:{pub_port}"),
-            replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
-            worker_id: 5,
-            dp_ranks: vec![0, 1],
-            block_size: Some(4),
-            metrics_addr: metrics_addr.clone(),
-            replay_timeout_ms: 2000,
-        },
-        ..Config::default()
+    let mut cfg = BridgeConfig { prefix: daemon.cfg.prefix.clone(), ..BridgeConfig::default() };
+    cfg.nats = daemon.cfg.nats.clone();
+    cfg.bridge = BridgeSettings {
+        zmq: format!("tcp://127.0.0.1:{pub_port}"),
+        replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
+        worker_id: 5,
+        dp_ranks: vec![0, 1],
+        block_size: Some(4),
+        metrics_addr: format!("127.0.0.1:{}", free_port()),
+        replay_timeout_ms: 2000,
     };
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let bridge = tokio::spawn(kvindex::bridge::run(cfg, async move {
-        let _ = stopped.await;
-    }));
-    let ready = eventually(10, || async { (http_get(&metrics_addr, "/readyz").await?.0 == 200).then_some(()) }).await;
-    assert!(ready.is_some(), "the bridge is ready once subscribed to both ranks and connected to NATS");
+    let bridge = Bridge::start(cfg).await.expect("the bridge is ready once subscribed to both ranks and connected to NATS");
+    let metrics_addr = bridge.cfg.bridge.metrics_addr.clone();
     // A SUB socket hears a PUB only once its subscription has arrived there.
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     let metric = |name: &'static str| {
@@ -259,7 +235,6 @@ async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     assert!(metric("kvindex_bridge_epochs_total").await >= 2.0);
     assert_eq!(metric("kvindex_bridge_decode_failures_total{reason=\"bad_frames\"}").await, 0.0);
 
-    let _ = stop.send(());
-    bridge.await.unwrap().unwrap();
+    bridge.stop().await.unwrap();
     daemon.stop().await.unwrap();
 }

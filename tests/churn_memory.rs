@@ -4,11 +4,7 @@
 //! which this test binary installs; allocation sizes do not depend on timing, so the figures
 //! are the same on every run.
 
-// The CLI's tooling (mock engine, replay stream, bench), included by path: it is part of the
-// binary, not library API.
-#[allow(dead_code)]
-#[path = "../src/tools/mod.rs"]
-mod tools;
+use kvindex_tools as tools;
 
 use kvindex_core::hash::{BlockHash, StoredBlock, WorkerId};
 use kvindex_core::index::positional::PositionalIndex;
@@ -16,7 +12,8 @@ use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{Backend, KvIndex};
 use std::sync::Mutex;
 use tools::alloc::CountingAlloc;
-use tools::bench::{churn, Indexer};
+use tools::bench::churn;
+use tools::indexers::Indexer;
 use tools::trace::{read_trace_file, MockConfig};
 
 #[global_allocator]

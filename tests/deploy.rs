@@ -11,6 +11,7 @@ mod support;
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::{LookupClient, Query};
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock};
+use kvindex_tools::deploy::compose_commands;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,60 +37,21 @@ fn prometheus_tool(name: &str) -> PathBuf {
         .unwrap_or_else(|| panic!("{name} not found: run scripts/install-prometheus (scripts/test does)"))
 }
 
-/// The `command:` arrays of the compose services that run the kvindex image.
-fn compose_kvindex_commands(compose: &str) -> Vec<(String, Vec<String>)> {
-    let mut out = Vec::new();
-    let (mut service, mut is_kvindex, mut command) = (String::new(), false, None::<Vec<String>>);
-    let mut flush = |service: &str, is_kvindex: bool, command: &mut Option<Vec<String>>| {
-        if let Some(c) = command.take() {
-            if is_kvindex {
-                out.push((service.to_string(), c));
-            }
-        }
-    };
-    let mut in_services = false;
-    for line in compose.lines() {
-        if !line.starts_with(' ') && !line.trim().is_empty() && !line.starts_with('#') {
-            flush(&service, is_kvindex, &mut command);
-            in_services = line.starts_with("services:");
-            continue;
-        }
-        if !in_services {
-            continue;
-        }
-        if let Some(name) = line.strip_prefix("  ").filter(|l| !l.starts_with(' ') && !l.starts_with('#')) {
-            flush(&service, is_kvindex, &mut command);
-            service = name.trim_end_matches(':').to_string();
-            is_kvindex = false;
-            continue;
-        }
-        let l = line.trim();
-        if l == "build: ." || l == "image: kvindex:latest" {
-            is_kvindex = true;
-        }
-        if let Some(c) = l.strip_prefix("command:") {
-            command =
-                Some(serde_json::from_str(c.trim()).unwrap_or_else(|e| panic!("{service}: command is not a flow list: {e}")));
-        }
-    }
-    flush(&service, is_kvindex, &mut command);
-    out
-}
-
 #[test]
 fn every_kvindex_command_line_of_the_deployment_parses() {
     let compose = read("docker-compose.yml");
-    let mut lines = compose_kvindex_commands(&compose);
+    let mut lines = compose_commands(&compose, "kvindex:latest");
     let services: Vec<&str> = lines.iter().map(|(s, _)| s.as_str()).collect();
     assert_eq!(
         services,
-        ["kvindex", "loadgen", "bridge", "kvindex-shard-0", "kvindex-shard-1", "kvindex-shard-2", "loadgen-sharded"],
+        ["kvindex", "bridge", "kvindex-shard-0", "kvindex-shard-1", "kvindex-shard-2"],
         "kvindex services of docker-compose.yml"
     );
     // The Dockerfile's healthcheck and default command.
     let dockerfile = read("Dockerfile");
     for directive in ["HEALTHCHECK", "CMD"] {
-        let line = dockerfile.lines().find(|l| l.starts_with(directive)).unwrap_or_else(|| panic!("no {directive}"));
+        // The daemon's stage is the last one: its directives come last.
+        let line = dockerfile.lines().rfind(|l| l.starts_with(directive)).unwrap_or_else(|| panic!("no {directive}"));
         let json = &line[line.find('[').expect("exec form")..];
         let mut args: Vec<String> = serde_json::from_str(json).expect("exec form is a JSON list");
         if args.first().map(String::as_str) == Some("kvindex") {
@@ -164,7 +126,7 @@ fn the_dockerfiles_skeleton_has_every_target_of_the_manifests() {
         target_names(&repo("Cargo.toml")),
         "the skeleton's targets are the workspace's"
     );
-    assert!(skeleton.join("benches/bridge.rs").is_file(), "the bridge bench has its stand-in");
+    assert!(skeleton.join("crates/kvindex-bridge/benches/decode.rs").is_file(), "the bridge bench has its stand-in");
     let _ = std::fs::remove_dir_all(&scratch);
 }
 
@@ -192,7 +154,7 @@ fn the_shards_nats_config_and_the_compose_profile_agree_with_the_code() {
 
     let compose = read("docker-compose.yml");
     let mut seen = Vec::new();
-    for (service, args) in compose_kvindex_commands(&compose) {
+    for (service, args) in compose_commands(&compose, "kvindex:latest") {
         if args.first().map(String::as_str) != Some("serve") || flag_value(&args, "--shards").is_none() {
             continue;
         }

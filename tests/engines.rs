@@ -5,16 +5,17 @@
 
 mod support;
 
-use kvindex::config::{BridgeSettings, Config};
+use kvindex_bridge::{BridgeConfig, BridgeSettings};
 use kvindex_client::{LookupClient, Query};
 use kvindex_core::hash::{local_hashes, with_extra_keys, LocalHash};
 use kvindex_core::Tier;
+use kvindex_tools::harness;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
-use support::{eventually, free_port, http_get, metric_value, Daemon, NatsServer};
+use support::{eventually, free_port, Daemon, NatsServer};
 
 const WORKER: u64 = 5;
 
@@ -109,41 +110,27 @@ fn digest(n: u8) -> String {
     format!("hex:{}{n:02x}", "00".repeat(31))
 }
 
-/// The bridge in this process, for `ranks` of engine `WORKER`; its metrics address.
-struct Bridge {
-    metrics_addr: String,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<anyhow::Result<()>>,
-}
+/// The bridge in this process, for `ranks` of engine `WORKER`.
+struct Bridge(harness::Bridge);
 
 impl Bridge {
     async fn start(daemon: &Daemon, port: u16, replay: Option<u16>, ranks: Vec<u32>) -> Bridge {
-        let metrics_addr = format!("127.0.0.1:{}", free_port());
-        let cfg = Config {
-            nats_url: daemon.cfg.nats_url.clone(),
-            prefix: daemon.cfg.prefix.clone(),
-            bridge: BridgeSettings {
-                zmq: format!("tcp://127.0.0.1:{port}"),
-                replay: replay.map(|r| format!("tcp://127.0.0.1:{r}")),
-                worker_id: WORKER,
-                dp_ranks: ranks,
-                block_size: None,
-                metrics_addr: metrics_addr.clone(),
-                replay_timeout_ms: 2000,
-            },
-            ..Config::default()
+        let mut cfg = BridgeConfig { prefix: daemon.cfg.prefix.clone(), ..BridgeConfig::default() };
+        cfg.nats = daemon.cfg.nats.clone();
+        cfg.bridge = BridgeSettings {
+            zmq: format!("tcp://127.0.0.1:{port}"),
+            replay: replay.map(|r| format!("tcp://127.0.0.1:{r}")),
+            worker_id: WORKER,
+            dp_ranks: ranks,
+            block_size: None,
+            metrics_addr: format!("127.0.0.1:{}", free_port()),
+            replay_timeout_ms: 2000,
         };
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let task = tokio::spawn(kvindex::bridge::run(cfg, async move {
-            let _ = stopped.await;
-        }));
-        let ready = eventually(20, || async { (http_get(&metrics_addr, "/readyz").await?.0 == 200).then_some(()) }).await;
-        assert!(ready.is_some(), "the bridge is ready once subscribed and connected to NATS");
-        Bridge { metrics_addr, stop: Some(stop), task }
+        Bridge(harness::Bridge::start(cfg).await.expect("the bridge is ready once subscribed and connected to NATS"))
     }
 
     async fn metric(&self, sample: &str) -> f64 {
-        metric_value(&http_get(&self.metrics_addr, "/metrics").await.map(|r| r.1).unwrap_or_default(), sample)
+        self.0.metric(sample).await
     }
 
     /// Publishes empty batches until the bridge has heard one live: its subscription has
@@ -161,11 +148,8 @@ impl Bridge {
         assert!(heard.is_some(), "the bridge never heard the engine");
     }
 
-    async fn stop(mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        self.task.await.expect("the bridge task").expect("the bridge stops cleanly");
+    async fn stop(self) {
+        self.0.stop().await.expect("the bridge stops cleanly");
     }
 }
 

@@ -5,12 +5,8 @@
 
 mod support;
 
-// The CLI's inspect client, included by path: it is part of the binary, not library API.
-#[allow(dead_code)]
-#[path = "../src/tools/inspect.rs"]
-mod inspect;
-
-use inspect::Api;
+use kvindex::cli::http::request;
+use kvindex::cli::inspect::{self, Api};
 use kvindex_client::protocol::{KvEvent, LookupRequest, LookupResponse, MatchEntry};
 use kvindex_core::hash::{BlockHash, StoredBlock};
 use kvindex_core::{Event, Tier};
@@ -23,7 +19,7 @@ fn stored(id: u64, parent: Option<u64>, base: u64, locals: &[u64]) -> KvEvent {
     KvEvent { event_id: id, data: Event::Stored { parent: parent.map(BlockHash), blocks, tier: Tier::Device } }
 }
 
-/// Runs a blocking inspect call off the runtime's threads.
+/// Runs a blocking call (a child process) off the runtime's threads.
 async fn blocking<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::task::spawn_blocking(f).await.expect("the call returns")
 }
@@ -52,7 +48,7 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     let all = eventually(10, || {
         let a = Api { addr: a.addr.clone(), token: None };
         async move {
-            let all = blocking(move || a.workers()).await.ok()?;
+            let all = a.workers().await.ok()?;
             let two = by_worker(&all, 2)?;
             let asked = two["stale"]["resync_requests"].as_u64().is_some_and(|n| n >= 1);
             (by_worker(&all, 1)?["blocks"]["device"] == 3 && two["stale"]["reason"] == "event_gap" && asked).then_some(all)
@@ -73,12 +69,7 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     // Worker 1's blocks, parents first, as a replay stream; in pages when asked.
     let mut dump = Vec::new();
     let a1 = Api { addr: a.addr.clone(), token: None };
-    let n = blocking(move || {
-        let n = a1.dump(1, 0, &mut dump).expect("dump");
-        (n, dump)
-    })
-    .await;
-    let (n, dump) = n;
+    let n = a1.dump(1, 0, &mut dump).await.expect("dump");
     assert_eq!(n, 3);
     let lines: Vec<Value> = String::from_utf8(dump).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
     let parents: Vec<Value> = lines.iter().map(|l| l["parent"].clone()).collect();
@@ -101,7 +92,7 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     };
     let a2 = Api { addr: a.addr.clone(), token: None };
     let r = req.clone();
-    let over_http = blocking(move || a2.lookup(&r)).await.unwrap();
+    let over_http = a2.lookup(&r).await.unwrap();
     assert_eq!(over_http, over_nats);
     let entry = |worker_id, blocks, stale| MatchEntry {
         worker_id,
@@ -124,14 +115,9 @@ async fn workers_blocks_and_lookups_as_the_daemon_knows_them() {
     // A request kvindex refuses, and a body that is no request, get error answers with the reason.
     let a3 = Api { addr: a.addr.clone(), token: None };
     let gpu = LookupRequest { block_hashes: Some(vec![11]), tiers: Some(vec!["gpu".into()]), ..Default::default() };
-    let bad = blocking(move || a3.lookup(&gpu)).await;
+    let bad = a3.lookup(&gpu).await;
     assert!(bad.is_err_and(|e| e.to_string().contains("400") && e.to_string().contains("unknown tier")));
-    let url = format!("http://{}/v1/lookup", a.addr);
-    let garbled = blocking(move || match ureq::post(&url).send_string("{\"block_hashes\": [") {
-        Err(ureq::Error::Status(code, r)) => (code, r.into_string().unwrap_or_default()),
-        other => panic!("wanted an error status, got {other:?}"),
-    })
-    .await;
+    let garbled = request(&a.addr, "POST", "/v1/lookup", None, Some("{\"block_hashes\": [")).await.expect("answered");
     assert!(garbled.0 == 400 && garbled.1.contains("not a lookup request"), "{garbled:?}");
     d.stop().await.unwrap();
 }
@@ -149,13 +135,13 @@ async fn a_token_guards_the_api_and_silent_workers_are_listed_as_dropped() {
     let denied = support::http_get(&d.cfg.inspect_addr, "/v1/workers").await.unwrap();
     assert_eq!(denied.0, 401, "{}", denied.1);
     let wrong = Api { addr: d.cfg.inspect_addr.clone(), token: Some("guess".into()) };
-    assert!(blocking(move || wrong.workers()).await.is_err_and(|e| e.to_string().contains("401")));
+    assert!(wrong.workers().await.is_err_and(|e| e.to_string().contains("401")));
     // Silent past its TTL, worker 4 is dropped, and listed as dropped.
     let a = api(&d);
     let gone = eventually(15, || {
         let a = Api { addr: a.addr.clone(), token: a.token.clone() };
         async move {
-            let all = blocking(move || a.workers()).await.ok()?;
+            let all = a.workers().await.ok()?;
             let expired = all.last()?["expired"].as_array()?.clone();
             (by_worker(&all, 4).is_none() && expired.iter().any(|e| e["worker_id"] == 4)).then_some(())
         }

@@ -34,8 +34,8 @@ fn batch(worker_id: u64, epoch: u64, event_id: u64, blocks: &[(u64, u64)]) -> Ve
 async fn kvindex_role(url: &str, tune: impl FnOnce(&mut kvindex::config::Config)) -> Daemon {
     Daemon::start(url, |cfg| {
         cfg.prefix = "kv".into();
-        cfg.nats_user = Some("kvindex".into());
-        cfg.nats_password = Some("k-secret".into());
+        cfg.nats.nats_user = Some("kvindex".into());
+        cfg.nats.nats_password = Some("k-secret".into());
         tune(cfg);
     })
     .await

@@ -1,11 +1,7 @@
 //! The mock engine against the figures STREAM.md gives for the reference configuration, and
 //! every backend against the reference model on a replay of the real trace.
 
-// The CLI's tooling (mock engine, replay stream, bench), included by path: it is part of the
-// binary, not library API.
-#[allow(dead_code)]
-#[path = "../src/tools/mod.rs"]
-mod tools;
+use kvindex_tools as tools;
 
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
@@ -14,10 +10,10 @@ use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
 use kvindex_core::Event;
 use std::collections::HashMap;
-use tools::bench::Workload;
 use tools::stream::Op;
 use tools::stream::{read_stream, write_stream, StreamOp};
 use tools::trace::{read_trace_file, MockConfig, MockEngine, TraceRequest};
+use tools::workload::Workload;
 
 fn trace() -> Vec<TraceRequest> {
     read_trace_file(concat!(env!("CARGO_MANIFEST_DIR"), "/data/traces/conversation_trace.jsonl").as_ref()).expect("shipped trace")
@@ -137,7 +133,8 @@ fn backends_stay_exact_when_evictions_leave_holes() {
 #[test]
 fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
     use kvindex_core::index::Backend;
-    use tools::bench::{run, BenchConfig, Indexer, Mode};
+    use tools::bench::{run, BenchConfig, Mode};
+    use tools::indexers::Indexer;
     let cfg = MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate: 0.0 };
     let wl = Workload::from_timed(MockEngine::run(cfg, &trace()[..300]));
     let backends = [Backend::Runs, Backend::Positional, Backend::Reference];
@@ -173,7 +170,8 @@ fn bench_rounds_give_each_backend_its_ratio_to_the_first() {
 #[test]
 fn bench_compares_streams_in_one_run() {
     use kvindex_core::index::Backend;
-    use tools::bench::{run, table, BenchConfig, Indexer, Mode};
+    use tools::bench::{run, table, BenchConfig, Mode};
+    use tools::indexers::Indexer;
     let mock = |hole_rate| MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate };
     let plain = Workload::from_timed(MockEngine::run(mock(0.0), &trace()[..300]));
     let holes = Workload::from_timed(MockEngine::run(mock(0.5), &trace()[..300]));
@@ -216,7 +214,7 @@ fn a_ratio_is_the_median_and_range_of_its_rounds() {
 #[test]
 fn keep_up_reports_every_run_and_where_each_index_stops() {
     use kvindex_core::index::Backend;
-    use tools::bench::Indexer;
+    use tools::indexers::Indexer;
     use tools::keepup::{plot, sweep, thresholds, KeepUpConfig, KeepUpPoint};
     let cfg = MockConfig { workers: 4, capacity: 400, factor: 2, seed: 3, hole_rate: 0.0 };
     let wl = Workload::from_timed(MockEngine::run(cfg, &trace()[..200]));

@@ -8,9 +8,7 @@
 //! answers the same.
 
 mod support;
-#[allow(dead_code)]
-#[path = "support/tools.rs"]
-mod tools;
+use kvindex_tools as tools;
 
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::shards::partition;

@@ -26,7 +26,7 @@ use crate::apply::{ApplyPool, OnApplied};
 use crate::config::{Config, Ingest};
 use crate::metrics::Metrics;
 use anyhow::Context;
-use async_nats::{Client, ConnectOptions, Event};
+use async_nats::{Client, Event};
 use dashmap::DashMap;
 use futures::StreamExt;
 use ingest::Cursors;
@@ -239,47 +239,16 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
     }
 }
 
-/// The NATS options every kvindex connection shares: unlimited reconnects, credentials, TLS.
-async fn nats_options(cfg: &Config, name: &str) -> anyhow::Result<ConnectOptions> {
-    let mut opts = ConnectOptions::new()
-        .name(name)
-        .retry_on_initial_connect()
-        .max_reconnects(None)
-        .subscription_capacity(cfg.subscription_capacity);
-    if let Some(creds) = &cfg.nats_creds {
-        opts = opts.credentials_file(creds).await.with_context(|| format!("reading nats_creds {creds}"))?;
-    }
-    if let (Some(u), Some(p)) = (&cfg.nats_user, &cfg.nats_password) {
-        opts = opts.user_and_password(u.clone(), p.clone());
-    }
-    if let Some(t) = &cfg.nats_token {
-        opts = opts.token(t.clone());
-    }
-    if let Some(ca) = &cfg.nats_tls_ca {
-        opts = opts.add_root_certificates(ca.into());
-    }
-    if let (Some(c), Some(k)) = (&cfg.nats_tls_cert, &cfg.nats_tls_key) {
-        opts = opts.add_client_certificate(c.into(), k.into());
-    }
-    Ok(opts.require_tls(cfg.nats_require_tls))
-}
-
+/// A connection to NATS with `cfg`'s servers, credentials and TLS that tells `events` of its
+/// state changes (connected, disconnected, slow consumer).
 async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::Result<Client> {
-    let opts = nats_options(cfg, "kvindex").await?.event_callback(move |e| {
+    let opts = cfg.nats.options("kvindex").await?.subscription_capacity(cfg.subscription_capacity).event_callback(move |e| {
         let events = events.clone();
         async move {
             let _ = events.send(e);
         }
     });
-    let servers = cfg.nats_servers().map_err(anyhow::Error::msg)?;
-    opts.connect(servers).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
-}
-
-/// A NATS connection with `cfg`'s servers, credentials and TLS, named `name` (the bridge's).
-pub async fn connect_nats(cfg: &Config, name: &str) -> anyhow::Result<Client> {
-    let opts = nats_options(cfg, name).await?;
-    let servers = cfg.nats_servers().map_err(anyhow::Error::msg)?;
-    opts.connect(servers).await.with_context(|| format!("connecting to NATS at {}", cfg.nats_url))
+    Ok(cfg.nats.connect_with(opts).await?)
 }
 
 /// An events message, whatever it came from.
@@ -618,7 +587,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     state.connected.store(connected, Ordering::Relaxed);
     metrics.nats_connected.set(connected as i64);
     tracing::info!(
-        nats = %cfg.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, inspect = %cfg.inspect_addr, backend = index.name(),
+        nats = %cfg.nats.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, inspect = %cfg.inspect_addr, backend = index.name(),
         apply_threads = cfg.apply_threads(), "kvindex serving"
     );
     huge_pages::log_state();

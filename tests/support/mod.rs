@@ -5,9 +5,7 @@
 use kvindex::config::Config;
 use std::time::{Duration, Instant};
 
-// The harness the CLI's e2e run uses too, included by path: one copy, and not library API.
-#[path = "../../src/tools/harness.rs"]
-mod harness;
+use kvindex_tools::harness;
 
 pub use harness::NatsProcess;
 
@@ -37,14 +35,13 @@ pub struct Daemon {
 impl Daemon {
     pub async fn start(nats_url: &str, tune: impl FnOnce(&mut Config)) -> Self {
         let mut cfg = Config {
-            nats_url: nats_url.into(),
             prefix: "t".into(),
             metrics_addr: format!("127.0.0.1:{}", free_port()),
             inspect_addr: format!("127.0.0.1:{}", free_port()),
             apply_threads: 2,
             resync_interval: 1,
             ready_settle_ms: 100,
-            ..Config::default()
+            ..Config::with_nats_url(nats_url)
         };
         tune(&mut cfg);
         let inner = harness::Daemon::start(cfg.clone()).await.expect("kvindex becomes ready");

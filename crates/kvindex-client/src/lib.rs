@@ -10,6 +10,8 @@
 //! - [`lookup`]: the router side: [`LookupClient`] asks kvindex which workers hold the
 //!   longest prefix of a request, by tokens or by local hashes, every shard of a sharded
 //!   deployment at once.
+//! - [`nats`]: how to reach NATS (servers, credentials, TLS), under the configuration keys the
+//!   daemon and the bridge share.
 //! - [`shards`]: a deployment sharded by worker: the shard that owns a worker (as the NATS
 //!   server partitions subjects), and the merge of the shards' answers.
 //! - [`error`]: [`ClientError`], what can go wrong talking to NATS and kvindex.
@@ -21,6 +23,7 @@
 
 pub mod error;
 pub mod lookup;
+pub mod nats;
 pub mod protocol;
 pub mod publisher;
 pub mod shards;

@@ -712,6 +712,15 @@ pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
     out
 }
 
+/// Checks a subject prefix (`kv`, `llama.70b`): subjects are built under it, so it is a
+/// non-empty NATS subject without wildcards, spaces or a trailing dot.
+pub fn check_prefix(prefix: &str) -> Result<(), String> {
+    if prefix.is_empty() || prefix.contains(['*', '>', ' ']) || prefix.ends_with('.') || prefix.starts_with('.') {
+        return Err("must be a non-empty NATS subject without wildcards, spaces or a trailing dot".into());
+    }
+    Ok(())
+}
+
 /// A router's question (msgpack map).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LookupRequest {

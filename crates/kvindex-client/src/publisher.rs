@@ -29,7 +29,7 @@ use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
-use kvindex_core::{GroupKind, Tier};
+use kvindex_core::{Event, GroupKind, Tier};
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::collections::BTreeMap;
@@ -222,6 +222,18 @@ impl Publisher {
             tokio::spawn(control_loop(client, shared.clone(), worker_resync, all_resync)),
         ];
         Ok(Publisher { shared, tasks })
+    }
+
+    /// Reports one domain event: what an engine, a replay stream or a bridge saw, whichever
+    /// its kind (the methods below, one per kind, are the same thing spelled out).
+    pub fn publish(&self, event: &Event) {
+        match event {
+            Event::Stored { parent, blocks, tier } => self.stored_in(*tier, *parent, blocks),
+            Event::Removed { hashes, tier } => self.removed_in(*tier, hashes),
+            Event::Cleared => self.cleared(),
+            Event::GroupStored { group, kind, hashes } => self.group_stored(*group, *kind, hashes),
+            Event::GroupRemoved { group, hashes } => self.group_removed(*group, hashes),
+        }
     }
 
     /// The engine cached `blocks`, a chain under `parent` (`None`: from the first position).

@@ -97,6 +97,16 @@ impl Event {
         Event::Removed { hashes: hashes.iter().map(|&h| BlockHash(h)).collect(), tier: Tier::Device }
     }
 
+    /// The kind of change, as metrics label it: `stored`, `removed` or `cleared` (a hybrid
+    /// group's stores and removals count as stores and removals).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Event::Stored { .. } | Event::GroupStored { .. } => "stored",
+            Event::Removed { .. } | Event::GroupRemoved { .. } => "removed",
+            Event::Cleared => "cleared",
+        }
+    }
+
     /// Blocks this event names (stored or removed), for throughput counting.
     pub fn blocks(&self) -> usize {
         match self {

@@ -1,0 +1,369 @@
+//! `kvindex demo`: the routing win, live. NATS (started here unless given), `kvindex serve`
+//! (unless one runs already), a fleet of mock engines with LRU prefix caches whose publishers
+//! feed kvindex, and a router that asks kvindex about each request of a Mooncake trace and
+//! sends it to a worker. The chosen worker's cache then serves and stores the request's
+//! blocks, so routing decisions drive the events: a closed loop.
+//!
+//! The same requests also go to three fleets simulated alike but routed without kvindex:
+//! round-robin, random, and an oracle that reads every cache directly (the best any index can
+//! do with this cost function; kvindex, being exact, should come close). With a kvindex of its
+//! own, a fifth fleet runs in approximate mode: its engines publish no events, its router
+//! announces each choice, and kvindex answers from the announcements alone. After the trace,
+//! [`crate::burst`] shows what predicted placements do for bursts that share a new prefix.
+
+pub use crate::fleet::{DemoConfig, Live};
+use crate::fleet::{Fleet, FleetReport, Policy, APPROXIMATE_BASE};
+use crate::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon, NatsProcess};
+use crate::trace::{chain_hashes, request_locals, TraceRequest};
+use anyhow::{Context, Result};
+use hdrhistogram::Histogram;
+use kvindex::config::Config;
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_client::{LookupClient, Query};
+use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock};
+use serde::Serialize;
+use std::collections::HashMap;
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, Instant};
+
+/// What a run measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct DemoReport {
+    pub requests: u64,
+    pub seconds: f64,
+    pub fleets: Vec<FleetReport>,
+    pub lookups: u64,
+    pub lookup_errors: u64,
+    pub lookup_rtt_p50_us: f64,
+    pub lookup_rtt_p99_us: f64,
+    /// Interrupted (Ctrl-C) before the trace ended.
+    pub interrupted: bool,
+    /// Bursts of requests sharing a new prefix, routed with and without predictions.
+    pub burst: Option<crate::burst::BurstReport>,
+}
+
+/// The daemon's figures between two scrapes of `/metrics`, for the live view.
+struct Scrape {
+    at: Instant,
+    text: String,
+}
+
+fn sum(text: &str, name: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.strip_prefix(name).is_some_and(|r| r.starts_with('{') || r.starts_with(' ')))
+        .filter_map(|l| l.rsplit_once(' ').and_then(|(_, v)| v.parse::<f64>().ok()))
+        .sum()
+}
+
+/// Quantile `q` of a histogram series between two scrapes.
+fn delta_quantile(old: &str, new: &str, series: &str, q: f64) -> f64 {
+    let (a, b) = (buckets(old, series), buckets(new, series));
+    let delta: Vec<(f64, f64)> = b.iter().map(|&(le, c)| (le, c - a.iter().find(|x| x.0 == le).map_or(0.0, |x| x.1))).collect();
+    quantile(&delta, q)
+}
+
+/// The live panel's lines.
+fn panel(
+    prev: &Scrape,
+    now: &Scrape,
+    fleets: &[Fleet],
+    rtt: &Histogram<u64>,
+    done: u64,
+    total: Option<u64>,
+    started: Instant,
+) -> Vec<String> {
+    let dt = now.at.duration_since(prev.at).as_secs_f64().max(1e-3);
+    let rate = |name: &str| (sum(&now.text, name) - sum(&prev.text, name)).max(0.0) / dt;
+    let lag = delta_quantile(&prev.text, &now.text, "kvindex_event_lag_seconds_bucket{", 0.99);
+    let answer = delta_quantile(&prev.text, &now.text, "kvindex_lookup_duration_seconds_bucket{result=\"ok\",", 0.99);
+    let progress = match total {
+        Some(t) => format!("{done}/{t} requests"),
+        None => format!("{done} requests"),
+    };
+    let mut lines = vec![
+        format!("kvindex demo  {:>6.1} s  {progress}", started.elapsed().as_secs_f64()),
+        format!(
+            "  kvindex   events/s {:>9.0}   blocks/s {:>10.0}   lookups/s {:>7.0}   event lag p99 <= {:.1} ms   answer p99 <= {:.0} us",
+            rate("kvindex_events_applied_total"),
+            rate("kvindex_blocks_applied_total"),
+            rate("kvindex_lookups_total"),
+            lag * 1e3,
+            answer * 1e6,
+        ),
+        format!(
+            "  router    lookup round trip p50 {:.0} us, p99 {:.0} us ({} lookups)",
+            rtt.value_at_quantile(0.5) as f64 / 1e3,
+            rtt.value_at_quantile(0.99) as f64 / 1e3,
+            rtt.len()
+        ),
+        format!(
+            "  index     {:>9.0} blocks   {:>9.0} entries   {:>4.0} workers   {:.0} stale",
+            sample(&now.text, "kvindex_index_blocks"),
+            sample(&now.text, "kvindex_index_entries"),
+            sample(&now.text, "kvindex_index_workers"),
+            sample(&now.text, "kvindex_stale_workers"),
+        ),
+        "  hit rate so far:".to_string(),
+    ];
+    for f in fleets {
+        lines.push(format!("    {:<24} {:>6.1} %", f.policy.name(), f.hit_rate() * 100.0));
+    }
+    lines
+}
+
+/// Runs the demo over `trace` until it ends (or forever with `repeat`), or until `stop`
+/// resolves; then reports.
+pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::future::Future<Output = ()>) -> Result<DemoReport> {
+    anyhow::ensure!(!trace.is_empty(), "the trace has no requests");
+    anyhow::ensure!(cfg.workers > 0 && cfg.workers <= 4096, "workers: 1 to 4096");
+    anyhow::ensure!(
+        cfg.shards == 1 || (cfg.nats_url.is_none() && cfg.kvindex_metrics.is_none()),
+        "--shards runs a NATS server and kvindex shards of its own: leave out --nats-url and --kvindex"
+    );
+    anyhow::ensure!(cfg.shards >= 1, "shards: at least 1");
+    let (_nats, url) = if cfg.shards > 1 {
+        let server = NatsProcess::start_sharded(&cfg.prefix, cfg.shards)?;
+        let url = server.url();
+        (Some(server), url)
+    } else {
+        nats_or_own(cfg.nats_url.as_deref())?
+    };
+    let (daemons, metrics_addrs) = match &cfg.kvindex_metrics {
+        Some(addr) => (Vec::new(), vec![addr.trim_start_matches("http://").trim_end_matches('/').to_string()]),
+        None => {
+            let mut daemons = Vec::new();
+            for shard in 0..cfg.shards {
+                let daemon_cfg = Config {
+                    prefix: cfg.prefix.clone(),
+                    shards: cfg.shards,
+                    shard,
+                    metrics_addr: format!("127.0.0.1:{}", free_port()?),
+                    inspect_addr: format!("127.0.0.1:{}", free_port()?),
+                    routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
+                    routed_only_capacity: cfg.capacity as u64,
+                    ..Config::with_nats_url(url.clone())
+                };
+                daemons.push(Daemon::start(daemon_cfg).await.context("starting kvindex serve")?);
+            }
+            let addrs = daemons.iter().map(|d| d.cfg.metrics_addr.clone()).collect();
+            (daemons, addrs)
+        }
+    };
+    // Every shard's metrics, as one text: counters add up across shards.
+    let scrape = || async {
+        let mut text = String::new();
+        for addr in &metrics_addrs {
+            text += &http_body(addr, "/metrics").await;
+        }
+        text
+    };
+    let nats = async_nats::connect(&url).await.with_context(|| format!("connecting to NATS at {url}"))?;
+    let workers = cfg.workers as usize;
+    let mut publishers = Vec::with_capacity(workers);
+    for w in 0..cfg.workers {
+        publishers.push(Publisher::start(nats.clone(), PublisherConfig::new(&cfg.prefix, w, 0)).await?);
+    }
+    let router = LookupClient::new(async_nats::connect(&url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
+    // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
+    let own = !daemons.is_empty();
+    let mut fleets: Vec<Fleet> = [Policy::KvAware, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
+        .into_iter()
+        .filter(|&p| own || p != Policy::Approximate)
+        .map(|p| Fleet::new(p, workers, cfg.seed))
+        .collect();
+    let event_fed: Vec<u64> = (0..cfg.workers).collect();
+    let routed_only: Vec<u64> = (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect();
+    let mut rtt = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
+    let mut lookup_errors = 0u64;
+    let span_ms = trace.last().map_or(0, |r| r.timestamp) + 3_000;
+    let total = (!cfg.repeat).then_some(trace.len() as u64);
+    let started = Instant::now();
+    let mut prev = Scrape { at: Instant::now(), text: scrape().await };
+    let mut last_line = Instant::now();
+    let mut panel_lines = 0usize;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    tokio::pin!(stop);
+    let mut done = 0u64;
+    let mut interrupted = false;
+    'passes: for pass in 0u64.. {
+        for req in trace {
+            let now_ms = req.timestamp + pass * span_ms;
+            let due = (cfg.speed > 0.0).then(|| started + Duration::from_secs_f64(now_ms as f64 / 1e3 / cfg.speed));
+            // Wait for the request's arrival, redrawing the live view meanwhile.
+            loop {
+                let wait = async {
+                    match due {
+                        Some(d) => tokio::time::sleep_until(d.into()).await,
+                        None => tokio::task::yield_now().await,
+                    }
+                };
+                tokio::select! {
+                    _ = &mut stop => { interrupted = true; break 'passes; }
+                    _ = tick.tick() => {
+                        if cfg.live == Live::Off { continue; }
+                        let now = Scrape { at: Instant::now(), text: scrape().await };
+                        let lines = panel(&prev, &now, &fleets, &rtt, done, total, started);
+                        show(cfg.live, &lines, &mut panel_lines, &mut last_line);
+                        prev = now;
+                    }
+                    _ = wait => break,
+                }
+            }
+            let locals = request_locals(req, cfg.factor);
+            let engine = chain_hashes(&locals);
+            let hashes: Vec<LocalHash> = locals.iter().map(|&l| LocalHash(l)).collect();
+            let t = Instant::now();
+            let depths: HashMap<usize, u64> = match router.lookup(&Query::hashes(&hashes).only_workers(&event_fed)).await {
+                Ok(answer) => {
+                    let _ = rtt.record(t.elapsed().as_nanos() as u64);
+                    answer
+                        .matches
+                        .iter()
+                        .filter(|m| m.worker_id < cfg.workers && !m.stale)
+                        .map(|m| (m.worker_id as usize, m.blocks as u64))
+                        .collect()
+                }
+                Err(e) => {
+                    lookup_errors += 1;
+                    if lookup_errors == 1 {
+                        tracing::warn!("lookup failed ({e}); routing by load alone until kvindex answers");
+                    }
+                    HashMap::new()
+                }
+            };
+            let approximate = if own { routed_depths(&router, &hashes, &routed_only).await } else { HashMap::new() };
+            for fleet in fleets.iter_mut() {
+                fleet.expire(now_ms);
+                let asked = if fleet.policy == Policy::Approximate { &approximate } else { &depths };
+                let w = fleet.choose(&engine, asked, cfg.load_weight);
+                let served = fleet.serve(w, req, &engine, cfg, now_ms);
+                if fleet.policy == Policy::Approximate {
+                    // No events: the router's word is all kvindex has (waited for, so the next
+                    // request's answer includes it).
+                    if let Err(e) = router.announce_applied(&Query::hashes(&hashes), APPROXIMATE_BASE + w as u64, 0).await {
+                        tracing::warn!("announcement failed: {e}");
+                    }
+                    continue;
+                }
+                if fleet.policy != Policy::KvAware {
+                    continue;
+                }
+                // The chosen engine reports what its cache did: evictions, then the new blocks.
+                let p = &publishers[w];
+                p.wait_for_room().await;
+                if !served.evicted.is_empty() {
+                    let gone: Vec<BlockHash> = served.evicted.iter().map(|&b| BlockHash(b)).collect();
+                    p.removed(&gone);
+                }
+                if served.hit < engine.len() {
+                    let parent = served.hit.checked_sub(1).map(|i| BlockHash(engine[i]));
+                    let blocks: Vec<StoredBlock> =
+                        (served.hit..engine.len()).map(|i| StoredBlock::new(engine[i], locals[i])).collect();
+                    p.stored(parent, &blocks);
+                }
+            }
+            done += 1;
+        }
+        if !cfg.repeat {
+            break;
+        }
+    }
+    if panel_lines > 0 {
+        println!();
+    }
+    for p in &publishers {
+        p.flush().await;
+    }
+    let burst = if cfg.burst && !interrupted && !cfg.repeat { Some(crate::burst::run(&nats, &router, cfg).await?) } else { None };
+    for d in daemons {
+        d.stop().await?;
+    }
+    Ok(DemoReport {
+        requests: done,
+        seconds: started.elapsed().as_secs_f64(),
+        fleets: fleets.iter().map(Fleet::report).collect(),
+        lookups: rtt.len(),
+        lookup_errors,
+        lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
+        lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
+        interrupted,
+        burst,
+    })
+}
+
+/// The approximate fleet's depths: kvindex's answer over its routed-only workers.
+async fn routed_depths(router: &LookupClient, hashes: &[LocalHash], routed_only: &[u64]) -> HashMap<usize, u64> {
+    match router.lookup(&Query::hashes(hashes).only_workers(routed_only)).await {
+        Ok(answer) => answer
+            .matches
+            .iter()
+            .filter(|m| m.worker_id >= APPROXIMATE_BASE)
+            .map(|m| ((m.worker_id - APPROXIMATE_BASE) as usize, m.blocks as u64))
+            .collect(),
+        Err(_) => HashMap::new(),
+    }
+}
+
+/// Draws the live view: the panel in place on a terminal, a line every five seconds in logs.
+fn show(live: Live, lines: &[String], drawn: &mut usize, last_line: &mut Instant) {
+    let mut out = std::io::stdout().lock();
+    match live {
+        Live::Panel => {
+            if *drawn > 0 {
+                let _ = write!(out, "\x1b[{}A\x1b[J", *drawn);
+            }
+            for l in lines {
+                let _ = writeln!(out, "{l}");
+            }
+            *drawn = lines.len();
+        }
+        Live::Lines if last_line.elapsed() >= Duration::from_secs(5) => {
+            let _ = writeln!(out, "{}", lines.iter().map(|l| l.trim()).collect::<Vec<_>>().join(" | "));
+            *last_line = Instant::now();
+        }
+        _ => {}
+    }
+    let _ = out.flush();
+}
+
+/// The live mode for this process's stdout.
+pub fn live_for_stdout() -> Live {
+    if std::io::stdout().is_terminal() {
+        Live::Panel
+    } else {
+        Live::Lines
+    }
+}
+
+/// The summary table.
+pub fn table(r: &DemoReport, cfg: &DemoConfig) -> String {
+    let mut s = format!(
+        "{} requests in {:.1} s{}; {} workers per fleet, {} blocks of {} tokens each\n\n",
+        r.requests,
+        r.seconds,
+        if r.interrupted { " (interrupted)" } else { "" },
+        cfg.workers,
+        cfg.capacity,
+        512 / cfg.factor.max(1)
+    );
+    s += &format!("{:<24} {:>9} {:>22} {:>26}\n", "routing", "hit rate", "prefill tokens saved", "requests/worker max/mean");
+    for f in &r.fleets {
+        s += &format!(
+            "{:<24} {:>7.1} % {:>22} {:>17} / {:>6.1}\n",
+            f.policy.name(),
+            f.hit_rate * 100.0,
+            f.prefill_tokens_saved,
+            f.requests_per_worker_max,
+            f.requests_per_worker_mean
+        );
+    }
+    s += &format!(
+        "\nkvindex lookups: {} answered, {} failed; round trip p50 {:.0} us, p99 {:.0} us\n",
+        r.lookups, r.lookup_errors, r.lookup_rtt_p50_us, r.lookup_rtt_p99_us
+    );
+    if let Some(b) = &r.burst {
+        s += &crate::burst::table(b);
+    }
+    s
+}
