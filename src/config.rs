@@ -8,6 +8,7 @@ use kvindex_client::nats::NatsSettings;
 use kvindex_client::protocol::check_prefix;
 use kvindex_core::index::positional::PositionalConfig;
 use kvindex_core::index::Backend;
+use kvindex_core::model::RoutedOnly;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -163,28 +164,6 @@ impl Default for Config {
             ready_timeout: 10,
             shutdown_grace: 10,
         }
-    }
-}
-
-/// Which workers are routed-only, built once from the configuration: ingest asks it per batch
-/// and lookups per match, so a long `routed_only_workers` list costs no scan.
-#[derive(Clone, Debug, Default)]
-pub struct RoutedOnly {
-    /// `routed_only_all`.
-    all: bool,
-    /// `routed_only_workers`.
-    workers: std::collections::HashSet<u64, kvindex_core::seeded::SeededState>,
-}
-
-impl RoutedOnly {
-    /// No worker is routed-only.
-    pub fn is_empty(&self) -> bool {
-        !self.all && self.workers.is_empty()
-    }
-
-    /// Whether `worker_id` is routed-only.
-    pub fn contains(&self, worker_id: u64) -> bool {
-        self.all || (!self.workers.is_empty() && self.workers.contains(&worker_id))
     }
 }
 

@@ -9,6 +9,7 @@ use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{KvIndex, MatchOptions};
+use kvindex_core::model::Model;
 use kvindex_core::Event;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -44,8 +45,9 @@ fn sequential_reference(wl: &Workload) -> ReferenceIndex {
 fn writers_and_readers_at_once<I: KvIndex>(index: I) {
     let wl = workload();
     let reference = sequential_reference(&wl);
-    let index = Arc::new(index);
-    let pool = ApplyPool::new(index.clone(), 4, 8, None);
+    let model = Arc::new(Model::new(index));
+    let pool = ApplyPool::new(model.clone(), 4, 8, None, None);
+    let index = model.device();
     let queries: Vec<&[LocalHash]> =
         wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(&q[..]) } else { None }).collect();
     let done = AtomicBool::new(false);
@@ -64,7 +66,7 @@ fn writers_and_readers_at_once<I: KvIndex>(index: I) {
             });
         }
         for r in 0..2 {
-            let (index, queries, done, lookups) = (&index, &queries, &done, &lookups);
+            let (queries, done, lookups) = (&queries, &done, &lookups);
             s.spawn(move || {
                 let mut i = r * 101;
                 while !done.load(Ordering::Relaxed) {
@@ -108,7 +110,8 @@ fn runs_concurrent_writes_and_reads() {
 
 #[test]
 fn full_queue_pushes_back_and_loses_nothing() {
-    let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
+    let model = Arc::new(Model::new(PositionalIndex::new(PositionalConfig::default())));
+    let index = model.device();
     // The hook blocks the apply thread until released, so its queue (2 batches) fills up.
     let (release_tx, release_rx) = mpsc::channel::<()>();
     let (entered_tx, entered_rx) = mpsc::channel::<()>();
@@ -119,7 +122,7 @@ fn full_queue_pushes_back_and_loses_nothing() {
             let _ = release_rx.lock().unwrap().recv();
         }
     });
-    let pool = ApplyPool::new(index.clone(), 1, 2, Some(hook));
+    let pool = ApplyPool::new(model.clone(), 1, 2, Some(hook), None);
     let w = WorkerId::new(1, 0);
     let batch = |i: u64| vec![Event::stored((i > 0).then(|| i - 1), &[(i, 100 + i)])];
     pool.apply(w, batch(0), 1);
@@ -139,8 +142,9 @@ fn full_queue_pushes_back_and_loses_nothing() {
 
 #[test]
 fn remove_worker_applies_after_queued_events_and_frees_the_slot() {
-    let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
-    let pool = ApplyPool::new(index.clone(), 2, 16, None);
+    let model = Arc::new(Model::new(PositionalIndex::new(PositionalConfig::default())));
+    let index = model.device();
+    let pool = ApplyPool::new(model.clone(), 2, 16, None, None);
     let a = WorkerId::new(1, 0);
     let b = WorkerId::new(2, 3);
     for w in [a, b] {
@@ -158,7 +162,8 @@ fn remove_worker_applies_after_queued_events_and_frees_the_slot() {
 
 #[test]
 fn a_full_registry_refuses_and_reports_instead_of_dropping_silently() {
-    let index = Arc::new(PositionalIndex::new(PositionalConfig { max_workers: 1, ..PositionalConfig::default() }));
+    let model = Arc::new(Model::new(PositionalIndex::new(PositionalConfig { max_workers: 1, ..PositionalConfig::default() })));
+    let index = model.device();
     let refused = Arc::new(Mutex::new(Vec::new()));
     let seen = refused.clone();
     let hook: OnApplied = Arc::new(move |w, out, _, _| {
@@ -166,7 +171,7 @@ fn a_full_registry_refuses_and_reports_instead_of_dropping_silently() {
             seen.lock().unwrap().push((w, out.refused));
         }
     });
-    let pool = ApplyPool::new(index.clone(), 1, 16, Some(hook));
+    let pool = ApplyPool::new(model.clone(), 1, 16, Some(hook), None);
     let two = vec![Event::stored(None, &[(5, 50)]), Event::stored(Some(5), &[(6, 60)])];
     pool.apply(WorkerId::new(1, 0), two.clone(), 0);
     pool.apply(WorkerId::new(2, 0), two, 0);
@@ -178,9 +183,9 @@ fn a_full_registry_refuses_and_reports_instead_of_dropping_silently() {
 
 #[test]
 fn a_dead_apply_thread_is_reported() {
-    let index = Arc::new(PositionalIndex::new(PositionalConfig::default()));
+    let model = Arc::new(Model::new(PositionalIndex::new(PositionalConfig::default())));
     let hook: OnApplied = Arc::new(|_, _, tag, _| assert_ne!(tag, 666, "the hook panics, as a bug in the index would"));
-    let pool = ApplyPool::new(index, 2, 16, Some(hook));
+    let pool = ApplyPool::new(model.clone(), 2, 16, Some(hook), None);
     assert_eq!(pool.dead_threads(), 0);
     pool.apply(WorkerId::new(1, 0), vec![Event::stored(None, &[(5, 50)])], 666);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

@@ -39,7 +39,25 @@ struct Engine {
 }
 
 impl Engine {
+    /// Starts one on fresh ports (`replay`: with a replay socket), trying others when another
+    /// process took them between choosing and binding: the engine, its port and replay port.
+    fn launch(kind: &str, replay: bool, buffer_steps: u32, rank: u32) -> (Engine, u16, Option<u16>) {
+        for _ in 0..5 {
+            let (port, replay) = (port_pair(), replay.then(port_pair));
+            if let Some(engine) = Engine::try_start(kind, port, replay, buffer_steps, rank) {
+                return (engine, port, replay);
+            }
+        }
+        panic!("the engine's publisher did not start on five pairs of free ports");
+    }
+
+    /// Starts one on `port` (a restart where the bridge expects it).
     fn start(kind: &str, port: u16, replay: Option<u16>, buffer_steps: u32, rank: u32) -> Engine {
+        Engine::try_start(kind, port, replay, buffer_steps, rank).expect("the engine's publisher did not start")
+    }
+
+    /// Starts one; `None` if it does not say it is ready (its sockets could not bind).
+    fn try_start(kind: &str, port: u16, replay: Option<u16>, buffer_steps: u32, rank: u32) -> Option<Engine> {
         let dir = engines_dir();
         let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/engines/engine.py");
         let mut child = Command::new(dir.join("venv/bin/python"))
@@ -58,9 +76,9 @@ impl Engine {
         let stdin = child.stdin.take().expect("stdin");
         let mut stdout = BufReader::new(child.stdout.take().expect("stdout"));
         let mut line = String::new();
-        stdout.read_line(&mut line).expect("the engine says it is ready");
-        assert_eq!(line.trim(), "ready", "the engine's publisher did not start");
-        Engine { child, stdin, stdout }
+        let _ = stdout.read_line(&mut line);
+        let engine = Engine { child, stdin, stdout };
+        (line.trim() == "ready").then_some(engine)
     }
 
     /// Publishes one batch of `events` through the engine's publisher; returns its seq once
@@ -187,8 +205,7 @@ async fn setup() -> (support::NatsProcess, Daemon, LookupClient) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_through_its_own_publisher() {
     let (_nats, daemon, router) = setup().await;
-    let (port, replay) = (port_pair(), port_pair());
-    let mut engine = Engine::start("vllm", port, Some(replay), 10_000, 0);
+    let (mut engine, port, replay) = Engine::launch("vllm", true, 10_000, 0);
     let prompt: Vec<u32> = tokens(0, 16);
     let plain = |blocks: u32| Query::tokens(&prompt[..blocks as usize * 4], 4);
 
@@ -196,7 +213,7 @@ async fn vllm_through_its_own_publisher() {
     // engine's replay buffer still holds them, and the bridge asks for them from 0.
     engine.publish(json!([stored(json!([1, 2]), Value::Null, 0, 2, json!({}))]));
     engine.publish(json!([stored(json!([digest(3)]), json!(2), 2, 3, json!({}))]));
-    let bridge = Bridge::start(&daemon, port, Some(replay), vec![0]).await;
+    let bridge = Bridge::start(&daemon, port, replay, vec![0]).await;
     bridge.hears(&mut engine).await;
     wait_answer(&router, || plain(8), 0, (3, false)).await;
     assert_eq!(bridge.metric("kvindex_bridge_replays_total{result=\"ok\"}").await, 1.0);
@@ -296,7 +313,7 @@ async fn vllm_through_its_own_publisher() {
 
     // The engine restarts (a new process on the same sockets, seq from 0, empty cache).
     drop(engine);
-    let mut engine = Engine::start("vllm", port, Some(replay), 10_000, 0);
+    let mut engine = Engine::start("vllm", port, replay, 10_000, 0);
     bridge.hears(&mut engine).await;
     wait_answer(&router, || plain(8), 0, (0, false)).await;
     engine.publish(json!([stored(json!([1]), Value::Null, 0, 1, json!({}))]));
@@ -325,9 +342,8 @@ fn group_removed(group: u32, hashes: Value) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn vllm_hybrid_model_answers_what_every_group_can_serve() {
     let (nats, daemon, router) = setup().await;
-    let (port, replay) = (port_pair(), port_pair());
-    let mut engine = Engine::start("vllm", port, Some(replay), 10_000, 0);
-    let bridge = Bridge::start(&daemon, port, Some(replay), vec![0]).await;
+    let (mut engine, port, replay) = Engine::launch("vllm", true, 10_000, 0);
+    let bridge = Bridge::start(&daemon, port, replay, vec![0]).await;
     bridge.hears(&mut engine).await;
     let prompt: Vec<u32> = tokens(0, 6);
     let first = |blocks: u32| Query::tokens(&prompt[..blocks as usize * 4], 4);
@@ -382,9 +398,8 @@ async fn vllm_hybrid_model_answers_what_every_group_can_serve() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_longer_than_the_request_reuses_the_run_from_block_0() {
     let (_nats, daemon, router) = setup().await;
-    let (port, replay) = (port_pair(), port_pair());
-    let mut engine = Engine::start("vllm", port, Some(replay), 10_000, 0);
-    let bridge = Bridge::start(&daemon, port, Some(replay), vec![0]).await;
+    let (mut engine, port, replay) = Engine::launch("vllm", true, 10_000, 0);
+    let bridge = Bridge::start(&daemon, port, replay, vec![0]).await;
     bridge.hears(&mut engine).await;
     let prompt: Vec<u32> = (0..5 * 16).collect();
     let ask = || Query::tokens(&prompt, 16);
@@ -421,9 +436,8 @@ async fn a_window_longer_than_the_request_reuses_the_run_from_block_0() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bridge_that_cannot_replay_what_it_missed_is_stale_until_the_engine_clears() {
     let (_nats, daemon, router) = setup().await;
-    let port = port_pair();
     // No replay socket: what the engine sent before the bridge came is lost to it.
-    let mut engine = Engine::start("vllm", port, None, 10_000, 0);
+    let (mut engine, port, _) = Engine::launch("vllm", false, 10_000, 0);
     let prompt: Vec<u32> = tokens(0, 16);
     let plain = || Query::tokens(&prompt[..32], 4);
     engine.publish(json!([stored(json!([1, 2]), Value::Null, 0, 2, json!({}))]));
@@ -445,13 +459,12 @@ async fn a_bridge_that_cannot_replay_what_it_missed_is_stale_until_the_engine_cl
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_buffer_that_moved_on_leaves_the_rank_stale() {
     let (_nats, daemon, router) = setup().await;
-    let (port, replay) = (port_pair(), port_pair());
+    let (mut engine, port, replay) = Engine::launch("vllm", true, 2, 0);
     // A replay buffer of 2 batches: seq 0 is gone from it by the time the bridge asks.
-    let mut engine = Engine::start("vllm", port, Some(replay), 2, 0);
     for i in 0..4u64 {
         engine.publish(json!([stored(json!([10 + i]), Value::Null, i as u32, i as u32 + 1, json!({}))]));
     }
-    let bridge = Bridge::start(&daemon, port, Some(replay), vec![0]).await;
+    let bridge = Bridge::start(&daemon, port, replay, vec![0]).await;
     bridge.hears(&mut engine).await;
     assert_eq!(bridge.metric("kvindex_bridge_replays_total{result=\"failed\"}").await, 1.0);
     engine.publish(json!([stored(json!([20]), Value::Null, 0, 1, json!({}))]));
@@ -463,15 +476,14 @@ async fn a_replay_buffer_that_moved_on_leaves_the_rank_stale() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_through_its_own_publisher() {
     let (_nats, daemon, router) = setup().await;
-    let (port, replay) = (port_pair(), port_pair());
     // Rank 1 binds the base ports + 1, as SGLang's attention-DP ranks do.
-    let mut engine = Engine::start("sglang", port, Some(replay), 10_000, 1);
+    let (mut engine, port, replay) = Engine::launch("sglang", true, 10_000, 1);
     let prompt: Vec<u32> = tokens(0, 16);
     let plain = || Query::tokens(&prompt[..32], 4);
 
     // Before the bridge: i64 hashes (SGLang's are signed), CPU_PINNED host copies.
     engine.publish(json!([stored(json!([-1, -2]), Value::Null, 0, 2, json!({}))]));
-    let bridge = Bridge::start(&daemon, port, Some(replay), vec![1]).await;
+    let bridge = Bridge::start(&daemon, port, replay, vec![1]).await;
     bridge.hears(&mut engine).await;
     wait_answer(&router, plain, 1, (2, false)).await;
     engine.publish(json!([stored(json!([-1]), Value::Null, 0, 1, json!({"medium": "CPU_PINNED"}))]));
@@ -499,7 +511,7 @@ async fn sglang_through_its_own_publisher() {
     bridge.stop().await;
     let id = json!({"lora_name": "sql", "cache_salt": "tenant-a"});
     engine.publish(json!([stored(json!([-14]), json!(-13), 3, 4, id)]));
-    let bridge = Bridge::start(&daemon, port, Some(replay), vec![1]).await;
+    let bridge = Bridge::start(&daemon, port, replay, vec![1]).await;
     bridge.hears(&mut engine).await;
     wait_answer(&router, || plain().with_lora("sql").with_salt("tenant-a"), 1, (4, false)).await;
     wait_answer(&router, plain, 1, (1, false)).await;

@@ -1,27 +1,32 @@
 //! The HTTP side: Prometheus text on `/metrics`, `/healthz`, `/readyz`.
 
+use super::state::now_ns;
 use super::State;
 use crate::apply::ApplyPool;
+use axum::http::StatusCode;
+use axum::routing::get;
 use kvindex_core::index::KvIndex;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> String {
+/// Every metric, the gauges read from the model and the pool brought up to date first.
+fn metrics_text<I: KvIndex>(state: &State, pool: &ApplyPool<I>) -> String {
     let m = &state.metrics;
-    let stats = index.stats();
+    let model = pool.model();
+    let stats = model.device().stats();
     m.index_placements.set(stats.placements as i64);
     m.index_entries.set(stats.entries as i64);
     m.index_hidden.set(stats.hidden as i64);
     m.index_workers.set(stats.workers as i64);
-    if let Some(others) = pool.others() {
-        for (tier, index) in others.each() {
+    if let Some(tiers) = model.tiers() {
+        for (tier, index) in tiers.each() {
             m.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
         }
     }
-    m.stream_sequence.set(state.stream_seq.load(Ordering::Relaxed) as i64);
-    let written = state.snapshot_written.load(Ordering::Relaxed);
+    m.stream_sequence.set(state.durable.stream_seq.load(Ordering::Relaxed) as i64);
+    let written = state.durable.snapshot_written.load(Ordering::Relaxed);
     if written > 0 {
-        m.snapshot_age.set(super::now_ns().saturating_sub(written) as f64 / 1e9);
+        m.snapshot_age.set(now_ns().saturating_sub(written) as f64 / 1e9);
     }
     for (t, depth) in pool.queue_depths().into_iter().enumerate() {
         m.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);
@@ -29,30 +34,22 @@ fn metrics_text<I: KvIndex>(state: &State, index: &I, pool: &ApplyPool<I>) -> St
     m.render()
 }
 
-pub(super) async fn http_server<I: KvIndex>(
-    listener: tokio::net::TcpListener,
-    state: Arc<State>,
-    index: Arc<I>,
-    pool: Arc<ApplyPool<I>>,
-) {
-    use axum::http::StatusCode;
-    use axum::routing::get;
-    let metrics_state = state.clone();
-    let health_pool = pool.clone();
+/// Serves `/metrics`, `/healthz` (alive: every apply thread runs) and `/readyz` (ready to
+/// answer lookups, or why not) until aborted.
+pub(super) async fn http_server<I: KvIndex>(listener: tokio::net::TcpListener, state: Arc<State>, pool: Arc<ApplyPool<I>>) {
+    let (metrics_state, metrics_pool) = (state.clone(), pool.clone());
     let app = axum::Router::new()
         .route(
             "/metrics",
             get(move || {
-                let (state, index, pool) = (metrics_state.clone(), index.clone(), pool.clone());
-                async move {
-                    ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], metrics_text(&state, &*index, &pool))
-                }
+                let text = metrics_text(&metrics_state, &metrics_pool);
+                async move { ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text) }
             }),
         )
         .route(
             "/healthz",
             get(move || {
-                let dead = health_pool.dead_threads();
+                let dead = pool.dead_threads();
                 async move {
                     if dead == 0 {
                         (StatusCode::OK, "ok\n".to_string())
@@ -65,23 +62,8 @@ pub(super) async fn http_server<I: KvIndex>(
         .route(
             "/readyz",
             get(move || {
-                let ready = *state.ready.borrow();
-                let connected = state.connected.load(Ordering::Relaxed);
-                let member = state.member.load(Ordering::Relaxed);
-                let replayed = state.caught_up.is_done();
-                async move {
-                    match (ready, connected, member) {
-                        (true, _, true) => (StatusCode::OK, "ready: answering lookups\n"),
-                        (true, _, false) => (StatusCode::SERVICE_UNAVAILABLE, "rebuilt; joining the lookup queue group\n"),
-                        (false, false, _) => (StatusCode::SERVICE_UNAVAILABLE, "not connected to NATS\n"),
-                        (false, true, _) if !replayed => {
-                            (StatusCode::SERVICE_UNAVAILABLE, "catching up with the JetStream stream\n")
-                        }
-                        (false, true, _) => {
-                            (StatusCode::SERVICE_UNAVAILABLE, "rebuilding the index from publishers' snapshots\n")
-                        }
-                    }
-                }
+                let (ready, why) = state.health.readyz();
+                async move { (if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, why) }
             }),
         );
     if let Err(e) = axum::serve(listener, app).await {

@@ -1,183 +1,153 @@
-//! Event batches in: decoding, the subject's authority, each worker's event sequence
-//! (duplicates, gaps, epochs, snapshots), and the hand-off to the apply pool.
+//! Event batches in: the subject's authority, decoding, each worker's event sequence
+//! (duplicates, gaps, epochs, snapshots), what its flags become, and the hand-off to the
+//! apply pool. Each step is a function of its own; [`ingest`] runs them in order.
 
+use super::cursors::{Cursor, Cursors, Refusal};
+use super::stale::INCOMPLETE;
 use super::State;
 use crate::apply::{ApplyPool, Then};
-use crate::config::Config;
-use kvindex_client::protocol::{decode_batch, EventBatch};
+use kvindex_client::protocol::{decode_batch, BatchHeader, DecodeError, EventBatch, KvEvent};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
 use kvindex_core::{Event, Tier};
-use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::Duration;
 use std::time::Instant;
-
-/// Where a worker's event sequence stands.
-pub(super) struct Cursor {
-    epoch: u64,
-    /// The event id expected next; `None` until the first event of an epoch.
-    next_id: Option<u64>,
-    pub(super) last_seen: Instant,
-    /// A snapshot opened with `cleared` and has had no gap since.
-    snapshot_clean: bool,
-    /// Its last batch said `incomplete`: only around such batches is its stale flag looked up.
-    incomplete: bool,
-}
-
-/// Every worker's cursor, with what bounds them: each `(worker, dp rank)` costs state here and
-/// a slot in the index, so one publisher must not take them all.
-#[derive(Default)]
-pub(super) struct Cursors {
-    by_worker: HashMap<WorkerId, Cursor>,
-    /// dp ranks tracked per worker id.
-    ranks: HashMap<u64, u32>,
-}
-
-/// Why a new worker was not tracked; `reason()` is its metric label.
-#[derive(Clone, Copy)]
-enum Refusal {
-    /// `max_workers` (worker, dp rank) pairs are tracked already.
-    Workers,
-    /// This worker id has `max_dp_ranks` ranks tracked already.
-    DpRanks,
-}
-
-impl Cursors {
-    /// The cursor of `w`, created if the limits allow.
-    fn admit(&mut self, w: WorkerId, epoch: u64, now: Instant, cfg: &Config) -> Result<&mut Cursor, Refusal> {
-        if !self.by_worker.contains_key(&w) {
-            if self.by_worker.len() >= cfg.max_workers as usize {
-                return Err(Refusal::Workers);
-            }
-            let ranks = self.ranks.entry(w.worker_id).or_default();
-            if *ranks >= cfg.max_dp_ranks {
-                return Err(Refusal::DpRanks);
-            }
-            *ranks += 1;
-        }
-        Ok(self.by_worker.entry(w).or_insert(Cursor {
-            epoch,
-            next_id: None,
-            last_seen: now,
-            snapshot_clean: false,
-            incomplete: false,
-        }))
-    }
-
-    /// Where every worker's sequence stands, for a snapshot: (worker, epoch, next event id).
-    pub(super) fn positions(&self) -> Vec<(WorkerId, u64, Option<u64>)> {
-        self.by_worker.iter().map(|(w, c)| (*w, c.epoch, c.next_id)).collect()
-    }
-
-    /// Every worker's sequence, as the inspect API shows it: (worker, epoch, next event id,
-    /// when last heard from).
-    pub(super) fn view(&self) -> Vec<(WorkerId, u64, Option<u64>, Instant)> {
-        self.by_worker.iter().map(|(w, c)| (*w, c.epoch, c.next_id, c.last_seen)).collect()
-    }
-
-    /// Every worker tracked.
-    pub(super) fn workers(&self) -> Vec<WorkerId> {
-        self.by_worker.keys().copied().collect()
-    }
-
-    /// Forgets the workers silent for longer than `ttl`, and returns them.
-    pub(super) fn expire(&mut self, now: Instant, ttl: Duration) -> Vec<WorkerId> {
-        let gone: Vec<WorkerId> =
-            self.by_worker.iter().filter(|(_, c)| now.duration_since(c.last_seen) > ttl).map(|(w, _)| *w).collect();
-        for w in &gone {
-            self.by_worker.remove(w);
-            if let Some(n) = self.ranks.get_mut(&w.worker_id) {
-                *n -= 1;
-                if *n == 0 {
-                    self.ranks.remove(&w.worker_id);
-                }
-            }
-        }
-        gone
-    }
-}
 
 /// Applies one message from `{prefix}.events.{worker_id}`.
 pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
-    let m = &state.metrics;
-    // Sharded, the NATS mapping appends this shard's number to the worker's subject.
-    let token = subject.strip_prefix(state.events_prefix.as_str()).and_then(|t| t.strip_suffix(state.shard_suffix.as_str()));
-    let Some(subject_id) = token.and_then(canonical_id) else {
+    let Some(subject_id) = subject_worker(state, pool, subject) else { return };
+    let Some(EventBatch { header, events }) = decode(state, subject_id, payload) else { return };
+    let w = WorkerId::new(header.worker_id, header.dp_rank);
+    let mut cursors = state.cursors.lock();
+    let Some((cursor, new_epoch)) = admit(state, &mut cursors, w, &header, events.len()) else { return };
+    // A new epoch clears the worker: whole again once the `cleared` is applied.
+    let clear_after = new_epoch.then(|| state.stale.marked_at(&w)).flatten();
+    let followed = follow(state, cursor, w, &header, new_epoch, events);
+    drop(cursors);
+    let clear_after = flag(state, w, &header, &followed, clear_after);
+    hand_off(state, pool, w, followed.events, header.ts_ns, clear_after);
+}
+
+/// The worker id the subject names, if it may publish here: canonical decimal, not
+/// routed-only, and this shard's (sharded, the NATS mapping appends the shard's number).
+fn subject_worker<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str) -> Option<u64> {
+    let names = &state.subjects;
+    let token = subject.strip_prefix(names.events_prefix.as_str()).and_then(|t| t.strip_suffix(names.shard_suffix.as_str()));
+    let Some(id) = token.and_then(canonical_id) else {
         state.fail("bad_subject", || format!("events subject {subject:?} does not end in a worker id in canonical decimal"));
-        return;
+        return None;
     };
     // A routed-only worker's blocks are what routers announce: events would fight them.
-    if state.routed_only.contains(subject_id) {
-        state.fail("routed_only", || format!("dropped events of worker {subject_id}: it is routed-only (routed_only_workers)"));
-        return;
+    if pool.model().routed_only().is_some_and(|r| r.contains(id)) {
+        state.fail("routed_only", || format!("dropped events of worker {id}: it is routed-only (routed_only_workers)"));
+        return None;
     }
     // Another shard's worker under this daemon's count: the server's mapping partitions by
     // another count than `shards` (or not at all). Held, it would answer for a worker every
     // merge ignores, and miss the events its own shard should get.
     if let Some(of) = state.cfg.shard_of() {
-        if kvindex_client::shards::partition(subject_id, of.shards) != of.shard {
+        let owner = kvindex_client::shards::partition(id, of.shards);
+        if owner != of.shard {
             state.fail("other_shard", || {
                 format!(
-                    "dropped events of worker {subject_id}: it is shard {} of {}'s, this is shard {}: does the NATS mapping partition by {}?",
-                    kvindex_client::shards::partition(subject_id, of.shards),
-                    of.shards,
-                    of.shard,
-                    of.shards
+                    "dropped events of worker {id}: it is shard {owner} of {}'s, this is shard {}: does the NATS mapping partition by {}?",
+                    of.shards, of.shard, of.shards
                 )
             });
-            return;
+            return None;
         }
     }
-    let EventBatch { header: h, events } = match decode_batch(payload) {
+    Some(id)
+}
+
+/// The batch, if it decodes and names the worker of its subject (the subject is authoritative).
+fn decode(state: &State, subject_id: u64, payload: &[u8]) -> Option<EventBatch> {
+    let batch = match decode_batch(payload) {
         Ok(b) => b,
         Err(e) => {
             state.fail(e.reason(), || format!("dropped a message from worker {subject_id}: {e}"));
-            return;
+            return None;
         }
     };
-    m.batches_received.inc();
-    if h.worker_id != subject_id {
+    state.metrics.batches_received.inc();
+    if batch.header.worker_id != subject_id {
         state.fail("worker_mismatch", || {
-            format!("dropped a batch for worker {} sent on the subject of worker {subject_id}", h.worker_id)
+            format!("dropped a batch for worker {} sent on the subject of worker {subject_id}", batch.header.worker_id)
         });
-        return;
+        return None;
     }
-    let w = WorkerId::new(h.worker_id, h.dp_rank);
-    // A stale flag to clear once this batch is applied, with the generation it had here.
-    let mut clear_after = None;
-    let mut out = Vec::with_capacity(events.len() + 1);
-    let mut cursors = state.cursors.lock();
+    Some(batch)
+}
+
+/// The worker's cursor, if the batch may be followed: the worker can be tracked and the batch
+/// is not of an epoch its publisher left. Whether the epoch is new (the publisher restarted:
+/// whatever it held before is gone).
+fn admit<'c>(
+    state: &State,
+    cursors: &'c mut Cursors,
+    w: WorkerId,
+    h: &BatchHeader,
+    events: usize,
+) -> Option<(&'c mut Cursor, bool)> {
     let now = Instant::now();
     let c = match cursors.admit(w, h.epoch, now, &state.cfg) {
         Ok(c) => c,
         Err(refusal) => {
-            drop(cursors);
-            refuse(state, w, refusal, events.len());
-            return;
+            refuse(state, w, refusal, events);
+            return None;
         }
     };
     if h.epoch < c.epoch {
         // A batch of the process this publisher replaced, delivered late: its events describe
         // a cache that no longer exists.
         let current = c.epoch;
-        drop(cursors);
         state.fail("old_epoch", || format!("dropped a batch of worker {w} from epoch {} (now {current})", h.epoch));
-        return;
+        return None;
     }
     c.last_seen = now;
-    if c.epoch != h.epoch {
-        // The publisher restarted: whatever it held before is gone.
-        m.epochs_changed.inc();
+    let new_epoch = c.epoch != h.epoch;
+    if new_epoch {
+        state.metrics.epochs_changed.inc();
         tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
-        *c = Cursor { epoch: h.epoch, next_id: None, last_seen: now, snapshot_clean: false, incomplete: false };
-        out.push(Event::Cleared);
-        // Whole again once the `cleared` is applied (see `clear_after` below).
-        clear_after = state.stale.get(&w).map(|r| r.generation);
+        *c = Cursor::start(h.epoch, now);
     }
-    let mut midstream = false;
-    let mut gap = false;
-    let mut opened = false;
+    Some((c, new_epoch))
+}
+
+/// What a batch did to its worker's sequence.
+struct Followed {
+    /// The events to apply, in order.
+    events: Vec<Event>,
+    /// Event ids were skipped (within the batch or at its tail).
+    gap: bool,
+    /// First heard from mid-sequence: events came before that this index never saw.
+    midstream: bool,
+    /// The batch opened a snapshot (its `cleared`).
+    opened: bool,
+    /// The batch ended a snapshot that had no gap since it opened.
+    snapshot_done: bool,
+    /// The batch before this one said `incomplete`.
+    was_incomplete: bool,
+}
+
+/// Follows the batch's events through the worker's sequence: duplicates dropped, gaps and a
+/// snapshot's bounds noted, each event counted; what is left to apply, in order (after a
+/// `cleared` when the epoch is new).
+fn follow(
+    state: &State,
+    c: &mut Cursor,
+    w: WorkerId,
+    h: &BatchHeader,
+    new_epoch: bool,
+    events: Vec<Result<KvEvent, DecodeError>>,
+) -> Followed {
+    let m = &state.metrics;
+    let mut applied = Vec::with_capacity(events.len() + 1);
+    if new_epoch {
+        applied.push(Event::Cleared);
+    }
+    let mut f =
+        Followed { events: applied, gap: false, midstream: false, opened: false, snapshot_done: false, was_incomplete: false };
     for ev in events {
         let ev = match ev {
             Ok(ev) => ev,
@@ -191,7 +161,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
             // Nothing is known of this worker's sequence (first heard from, new epoch,
             // expired): unless it starts at event 0 or with a snapshot, events came before
             // that this index never saw.
-            None => midstream = ev.event_id != 0 && !opens_snapshot,
+            None => f.midstream = ev.event_id != 0 && !opens_snapshot,
             Some(n) if ev.event_id < n => {
                 m.duplicate_events.inc();
                 continue;
@@ -200,7 +170,7 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
             Some(n) if ev.event_id > n && !opens_snapshot => {
                 tracing::debug!(worker = %w, expected = n, got = ev.event_id, "event gap");
                 m.event_gaps.inc();
-                gap = true;
+                f.gap = true;
                 c.snapshot_clean = false;
             }
             _ => {}
@@ -208,113 +178,134 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         c.next_id = Some(ev.event_id + 1);
         if opens_snapshot {
             c.snapshot_clean = true;
-            opened = true;
+            f.opened = true;
         }
-        match &ev.data {
-            // Host and disk copies go to their tier's own index (the apply pool routes them):
-            // a removal there must not drop the device copy, and a store there is no GPU hit.
-            Event::Stored { tier, blocks, .. } if *tier != Tier::Device => {
-                m.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
-            }
-            Event::Removed { tier, hashes } if *tier != Tier::Device => {
-                m.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
-            }
-            Event::Stored { .. } | Event::GroupStored { .. } => m.hot.events_stored.inc(),
-            Event::Removed { .. } | Event::GroupRemoved { .. } => m.hot.events_removed.inc(),
-            Event::Cleared => m.hot.events_cleared.inc(),
-        }
-        out.push(ev.data);
+        count_event(state, &ev.data);
+        f.events.push(ev.data);
     }
-    // The publisher's next event id shows events lost at the tail (a heartbeat after them).
+    follow_tail(state, c, w, h, &mut f);
+    f.snapshot_done = h.snapshot && h.snapshot_end && c.snapshot_clean && !f.gap;
+    if h.snapshot_end {
+        c.snapshot_clean = false;
+    }
+    f.was_incomplete = std::mem::replace(&mut c.incomplete, h.incomplete);
+    f
+}
+
+/// The publisher's next event id shows events lost at the tail (a heartbeat after them).
+fn follow_tail(state: &State, c: &mut Cursor, w: WorkerId, h: &BatchHeader, f: &mut Followed) {
     match (h.next_event_id, c.next_id) {
         (Some(n), Some(x)) if n > x => {
             tracing::debug!(worker = %w, expected = x, next = n, "events lost at the tail");
-            m.event_gaps.inc();
-            gap = true;
+            state.metrics.event_gaps.inc();
+            f.gap = true;
             c.snapshot_clean = false;
             c.next_id = Some(n);
         }
         (Some(n), None) => {
-            midstream |= n > 0;
+            f.midstream |= n > 0;
             c.next_id = Some(n);
         }
         // A heartbeat without it tells nothing of the sequence.
-        (None, None) => midstream = true,
+        (None, None) => f.midstream = true,
         _ => {}
     }
-    let snapshot_done = h.snapshot && h.snapshot_end && c.snapshot_clean && !gap;
-    if h.snapshot_end {
-        c.snapshot_clean = false;
-    }
-    let was_incomplete = std::mem::replace(&mut c.incomplete, h.incomplete);
-    drop(cursors);
-    if h.snapshot && (opened || h.snapshot_end) {
-        state.snapshot_progress(w, opened, h.snapshot_end);
-        m.snapshots
-            .with_label_values(&[if snapshot_done {
-                "complete"
-            } else if h.snapshot_end {
-                "gap"
-            } else {
-                "begun"
-            }])
-            .inc();
-    }
-    if gap {
-        state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
-        state.mark_stale(w, "event_gap");
-    } else if midstream {
-        m.midstream_workers.inc();
-        state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
-        state.mark_stale(w, "midstream");
-    } else if snapshot_done {
-        // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
-        // after this batch, unless something marks it stale again meanwhile.
-        // A snapshot opened and ended in this one batch is flagged too while it is applied:
-        // between its `cleared` and its stores the worker's state is partial.
-        if opened {
-            state.mark_stale_asked(w, "snapshot_in_progress");
+}
+
+/// Counts one event by kind (host and disk copies apart: they go to their tier's own index).
+fn count_event(state: &State, ev: &Event) {
+    let m = &state.metrics;
+    match ev {
+        Event::Stored { tier, blocks, .. } if *tier != Tier::Device => {
+            m.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
         }
-        clear_after = state.stale.get(&w).map(|r| r.generation);
-    } else if opened {
+        Event::Removed { tier, hashes } if *tier != Tier::Device => {
+            m.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
+        }
+        Event::Stored { .. } | Event::GroupStored { .. } => m.hot.events_stored.inc(),
+        Event::Removed { .. } | Event::GroupRemoved { .. } => m.hot.events_removed.inc(),
+        Event::Cleared => m.hot.events_cleared.inc(),
+    }
+}
+
+/// What the batch makes of the worker's stale flag: marked (a gap, mid-sequence, a snapshot
+/// open, the publisher's own word that it misses blocks), or to be cleared once the batch is
+/// applied (its snapshot is done, or a new epoch began): the generation to clear it at.
+fn flag(state: &State, w: WorkerId, h: &BatchHeader, f: &Followed, mut clear_after: Option<u64>) -> Option<u64> {
+    if h.snapshot && (f.opened || h.snapshot_end) {
+        state.health.snapshot_progress(w, f.opened, h.snapshot_end);
+        let result = if f.snapshot_done {
+            "complete"
+        } else if h.snapshot_end {
+            "gap"
+        } else {
+            "begun"
+        };
+        state.metrics.snapshots.with_label_values(&[result]).inc();
+    }
+    if f.gap {
+        state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
+        state.stale.mark(w, "event_gap");
+    } else if f.midstream {
+        state.metrics.midstream_workers.inc();
+        state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
+        state.stale.mark(w, "midstream");
+    } else if f.snapshot_done {
+        // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
+        // after this batch, unless something marks it stale again meanwhile. A snapshot opened
+        // and ended in this one batch is flagged too while it is applied: between its
+        // `cleared` and its stores the worker's state is partial.
+        if f.opened {
+            state.stale.mark_asked(w, "snapshot_in_progress");
+        }
+        clear_after = state.stale.marked_at(&w);
+    } else if f.opened {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
-        state.mark_stale_asked(w, "snapshot_in_progress");
+        state.stale.mark_asked(w, "snapshot_in_progress");
     }
     // The publisher's own word that its block set misses blocks (a bridge started after its
     // engine): stale while it says so, whatever a snapshot from it says; whole once it stops.
-    if h.incomplete || was_incomplete {
+    if h.incomplete || f.was_incomplete {
         let flagged = state.stale.get(&w).filter(|r| r.reason == INCOMPLETE).map(|r| r.generation);
         if h.incomplete {
             clear_after = None;
-            if flagged.is_none() && !gap && !midstream {
+            if flagged.is_none() && !f.gap && !f.midstream {
                 state
                     .log
                     .warn("incomplete", || format!("worker {w} says it misses blocks its engine holds; stale while it does"));
-                state.mark_stale_asked(w, INCOMPLETE);
+                state.stale.mark_asked(w, INCOMPLETE);
             }
-        } else if flagged.is_some() && !gap && !midstream {
+        } else if flagged.is_some() && !f.gap && !f.midstream {
             clear_after = flagged;
         }
     }
-    if !out.is_empty() {
-        if let Err(full) = pool.try_apply(w, out, h.ts_ns) {
-            // Backpressure: wait for the worker's apply thread rather than drop anything.
-            tokio::task::block_in_place(|| pool.apply(full.worker, full.events, h.ts_ns));
+    clear_after
+}
+
+/// Queues the events on the worker's apply thread (waiting for room: backpressure, never a
+/// drop), then the clear of its stale flag at `clear_after`'s generation, if any.
+fn hand_off<I: KvIndex>(
+    state: &Arc<State>,
+    pool: &ApplyPool<I>,
+    w: WorkerId,
+    events: Vec<Event>,
+    ts_ns: u64,
+    clear_after: Option<u64>,
+) {
+    if !events.is_empty() {
+        if let Err(full) = pool.try_apply(w, events, ts_ns) {
+            tokio::task::block_in_place(|| pool.apply(full.worker, full.events, ts_ns));
         }
     }
     if let Some(generation) = clear_after {
         let st = state.clone();
-        let clear: Then = Box::new(move || st.clear_stale_if(w, generation));
+        let clear: Then = Box::new(move || st.stale.clear_if(w, generation));
         if let Err(clear) = pool.try_then(w, clear) {
             tokio::task::block_in_place(|| pool.then(w, clear));
         }
     }
 }
-
-/// The stale reason of a worker whose publisher says it misses blocks: asking it to resync
-/// cannot help, so it is not asked.
-pub(super) const INCOMPLETE: &str = "incomplete";
 
 /// Takes up a saved worker's sequence (a snapshot being restored), within the same limits as
 /// a new worker; false (counted and logged) if it cannot be tracked.

@@ -16,7 +16,7 @@
 //!
 //! With `inspect_token` set, every request needs `Authorization: Bearer <token>`.
 
-use super::lookup::{entries_that_fit, respond};
+use super::answer::respond;
 use super::State;
 use crate::apply::ApplyPool;
 use axum::extract::{Path, Query, Request, State as Ctx};
@@ -25,7 +25,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvindex_client::protocol::{LookupRequest, LookupResponse, ShardOf};
+use kvindex_client::protocol::{entries_that_fit, LookupRequest, LookupResponse, ShardOf};
 use kvindex_client::shards;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
@@ -40,7 +40,6 @@ const PAGE_MAX: usize = 10_000;
 /// What the handlers read.
 struct Inspect<I: KvIndex> {
     state: Arc<State>,
-    index: Arc<I>,
     pool: Arc<ApplyPool<I>>,
     /// The daemon's NATS connection: a sharded deployment's other shards are asked over it.
     client: async_nats::Client,
@@ -378,7 +377,7 @@ async fn blocks<I: KvIndex>(
         .take(range.len())
         .map(|(i, l)| Line { event_id: i as u64, ..l })
         .collect();
-    Json(Dump { worker_id, dp_rank, backend: cx.index.name(), total, offset, next, ops }).into_response()
+    Json(Dump { worker_id, dp_rank, backend: cx.pool.model().device().name(), total, offset, next, ops }).into_response()
 }
 
 async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Bytes) -> Response {
@@ -404,7 +403,7 @@ async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Byt
             Err(e) => error(StatusCode::BAD_GATEWAY, &e.to_string()),
         };
     }
-    let (resp, ok) = respond(&cx.state, &cx.pool, entries_that_fit(1 << 20), req);
+    let (resp, ok) = respond(&cx.state, cx.pool.model(), entries_that_fit(1 << 20), req);
     let status = if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST };
     (status, Json(resp)).into_response()
 }
@@ -430,12 +429,11 @@ async fn authorize(Ctx(token): Ctx<Option<Arc<str>>>, req: Request, next: Next) 
 pub(super) async fn inspect_server<I: KvIndex>(
     listener: tokio::net::TcpListener,
     state: Arc<State>,
-    index: Arc<I>,
     pool: Arc<ApplyPool<I>>,
     client: async_nats::Client,
 ) {
     let token: Option<Arc<str>> = state.cfg.inspect_token.as_deref().map(Arc::from);
-    let cx = Arc::new(Inspect { state, index, pool, client });
+    let cx = Arc::new(Inspect { state, pool, client });
     let app = axum::Router::new()
         .route("/v1/workers", get(workers::<I>))
         .route("/v1/workers/{worker_id}/{dp_rank}/blocks", get(blocks::<I>))

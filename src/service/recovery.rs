@@ -1,117 +1,22 @@
-//! Healing: resync requests with backoff, readiness after a broadcast's snapshots, TTL
-//! expiry of silent workers, and a broadcast resync after every NATS reconnect.
+//! Healing: resync requests with backoff, the broadcast that starts a rebuild, TTL expiry of
+//! silent workers, and a broadcast resync after every NATS reconnect.
 
+use super::stale::INCOMPLETE;
+use super::state::EXPIRED_KEPT;
 use super::State;
 use crate::apply::ApplyPool;
 use async_nats::{Client, Event};
 use kvindex_client::protocol::ResyncRequest;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
-/// Resync requests to one stale worker: when the last went out and how many have.
-#[derive(Clone, Copy)]
-pub(super) struct Resync {
-    /// When the last request went out (none yet: its snapshot is awaited without one).
-    pub(super) asked: Option<Instant>,
-    /// Requests sent since it went stale.
-    pub(super) attempts: u32,
-    /// When it was last marked stale (see `State::stale_generation`).
-    pub(super) generation: u64,
-    /// Why it was last marked stale, as the inspect API names it.
-    pub(super) reason: &'static str,
-    /// Since when it is stale.
-    pub(super) since: Instant,
-}
-
-/// Whether the index has been rebuilt since the last broadcast resync.
-pub(super) struct Readiness {
-    pub(super) broadcast_at: Instant,
-    /// Snapshots begun (opening `cleared`) and not yet ended.
-    pub(super) open: HashSet<WorkerId>,
-    /// Snapshots ended since the broadcast.
-    pub(super) completed: u64,
-    /// When a snapshot last began or ended.
-    pub(super) last_activity: Instant,
-    pub(super) ready: bool,
-}
-
-impl Readiness {
-    /// Not ready, as if a broadcast went out now.
-    pub(super) fn new() -> Self {
-        let now = Instant::now();
-        Readiness { broadcast_at: now, open: HashSet::new(), completed: 0, last_activity: now, ready: false }
-    }
-}
-
-impl State {
-    /// A broadcast resync went out: not ready until the publishers' snapshots are in.
-    pub(super) fn begin_rebuild(&self) {
-        let mut r = self.readiness.lock();
-        *r = Readiness::new();
-        self.ready.send_replace(false);
-        self.metrics.ready.set(0);
-    }
-
-    /// Rebuilt without a broadcast (from a snapshot of the index and the stream after it).
-    pub(super) fn rebuilt(&self) {
-        self.readiness.lock().ready = true;
-    }
-
-    pub(super) fn snapshot_progress(&self, w: WorkerId, opened: bool, ended: bool) {
-        let mut r = self.readiness.lock();
-        r.last_activity = Instant::now();
-        if opened {
-            r.open.insert(w);
-        }
-        if ended {
-            r.open.remove(&w);
-            r.completed += 1;
-        }
-    }
-
-    /// Re-evaluates readiness; logs and records the rebuild when it completes.
-    pub(super) fn check_ready(&self) {
-        let connected = self.connected.load(Ordering::Relaxed);
-        let mut r = self.readiness.lock();
-        if !r.ready {
-            let now = Instant::now();
-            let settle = Duration::from_millis(self.cfg.ready_settle_ms);
-            let quiet = r.open.is_empty() && now.duration_since(r.last_activity.max(r.broadcast_at)) >= settle;
-            let timed_out = now.duration_since(r.broadcast_at) >= Duration::from_secs(self.cfg.ready_timeout);
-            if connected && (quiet || timed_out) {
-                r.ready = true;
-                let took = now.duration_since(r.broadcast_at).as_secs_f64();
-                self.metrics.rebuild_seconds.set(took);
-                if quiet {
-                    tracing::info!(
-                        snapshots = r.completed,
-                        seconds = took,
-                        "ready: index rebuilt from the publishers' snapshots"
-                    );
-                } else {
-                    tracing::warn!(
-                        snapshots = r.completed,
-                        still_open = r.open.len(),
-                        seconds = took,
-                        "ready after ready_timeout with snapshots still open; those workers stay stale until they finish"
-                    );
-                }
-            }
-        }
-        let ready = connected && r.ready && self.caught_up.is_done();
-        self.ready.send_if_modified(|now| std::mem::replace(now, ready) != ready);
-        self.metrics.ready.set(ready as i64);
-    }
-}
-
 /// Asks every publisher for its block set; `/readyz` waits for their snapshots.
 pub(super) async fn broadcast_resync(client: &Client, state: &State) {
-    state.begin_rebuild();
+    state.health.begin_rebuild();
     ask_everyone(client, state).await;
 }
 
@@ -161,10 +66,10 @@ pub(super) async fn nats_events(
                     // The consumer may have died with the server: not ready until one delivers
                     // up to the stream's last message (marked before `connected`, so that the
                     // replica never looks whole in between).
-                    state.caught_up.again();
+                    state.health.caught_up.again();
                     let _ = reopen.try_send(());
                 }
-                state.connected.store(true, Ordering::Relaxed);
+                state.health.connected.store(true, Ordering::Relaxed);
                 m.nats_connected.set(1);
                 if reconnect && !durable {
                     // Events published while we were away are lost: ask every publisher for its state.
@@ -174,7 +79,7 @@ pub(super) async fn nats_events(
             }
             Event::Disconnected | Event::Closed => {
                 state.log.warn("nats_disconnected", || format!("lost the NATS connection ({e}); reconnecting"));
-                state.connected.store(false, Ordering::Relaxed);
+                state.health.connected.store(false, Ordering::Relaxed);
                 m.nats_connected.set(0);
             }
             Event::SlowConsumer(_) => {
@@ -186,7 +91,7 @@ pub(super) async fn nats_events(
                     last_loss = Some(Instant::now());
                     let workers = state.cursors.lock().workers();
                     for w in &workers {
-                        state.mark_stale_asked(*w, "slow_consumer");
+                        state.stale.mark_asked(*w, "slow_consumer");
                     }
                     state.log.warn("slow_consumer", || {
                         format!(
@@ -213,25 +118,24 @@ pub(super) async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc:
     loop {
         let due: Vec<WorkerId> = tokio::select! {
             w = rx.recv() => match w { Some(w) => vec![w], None => return },
-            _ = tick.tick() => state.stale.iter().map(|e| *e.key()).collect(),
+            _ = tick.tick() => state.stale.list(),
         };
         let now = Instant::now();
-        if now.duration_since(state.readiness.lock().broadcast_at) < base {
+        if now.duration_since(state.health.broadcast_at()) < base {
             // The broadcast's snapshots are on their way.
             continue;
         }
         for w in due {
-            let Some(mut r) = state.stale.get_mut(&w) else { continue };
-            if r.reason == super::ingest::INCOMPLETE {
-                continue;
-            }
-            if r.asked.is_some_and(|t| now.duration_since(t) < resync_wait(base, max, r.attempts)) {
-                continue;
-            }
-            r.asked = Some(now);
-            r.attempts += 1;
-            let attempt = r.attempts;
-            drop(r);
+            let ask = state.stale.update(&w, |r| {
+                let waiting = r.asked.is_some_and(|t| now.duration_since(t) < resync_wait(base, max, r.attempts));
+                if r.reason == INCOMPLETE || waiting {
+                    return None;
+                }
+                r.asked = Some(now);
+                r.attempts += 1;
+                Some(r.attempts)
+            });
+            let Some(attempt) = ask.flatten() else { continue };
             state.metrics.resync_requests.with_label_values(&["worker"]).inc();
             let payload = ResyncRequest { worker_id: w.worker_id, dp_rank: w.dp_rank }.encode();
             let subject = format!("{}.resync.{}", state.cfg.prefix, w.worker_id);
@@ -260,7 +164,7 @@ pub(super) async fn readiness_loop(state: Arc<State>) {
     let mut tick = tokio::time::interval(Duration::from_millis(50));
     loop {
         tick.tick().await;
-        state.check_ready();
+        state.health.check_ready();
     }
 }
 
@@ -290,9 +194,9 @@ pub(super) async fn ttl_loop<I: KvIndex>(state: Arc<State>, pool: Arc<ApplyPool<
                 .log
                 .warn("worker_expired", || format!("worker {w} silent past its TTL ({} s); dropping its blocks", ttl.as_secs()));
             state.metrics.workers_expired.inc();
-            state.clear_stale(w);
+            state.stale.clear(w);
             let mut gone = state.expired.lock();
-            if gone.len() == super::EXPIRED_KEPT {
+            if gone.len() == EXPIRED_KEPT {
                 gone.pop_front();
             }
             gone.push_back((w, now));

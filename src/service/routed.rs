@@ -5,12 +5,14 @@
 //! reply subject is answered once it is applied, for a router that wants to read its own write.
 
 use super::State;
-use crate::apply::{Announcing, ApplyPool, OnAnnounced};
+use crate::apply::{ApplyPool, OnAnnounced};
+use crate::config::Config;
 use async_nats::Client;
 use futures::StreamExt;
 use kvindex_client::protocol::Routed;
 use kvindex_client::shards::partition;
 use kvindex_core::index::KvIndex;
+use kvindex_core::model::AnnounceConfig;
 use kvindex_core::WorkerId;
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,44 +21,36 @@ use std::time::Duration;
 /// its TTL.
 const EXPIRE_EVERY: Duration = Duration::from_millis(100);
 
-/// What the apply pool needs to keep announcements as `state`'s configuration says, with
-/// `predicted` as the index of predictions.
-pub(super) fn announcing<I: KvIndex>(state: &Arc<State>, predicted: Arc<I>) -> Announcing<I> {
-    let cfg = &state.cfg;
-    let hook: OnAnnounced = {
-        let state = state.clone();
-        Arc::new(move |worker: WorkerId, routed_only, out, no_slot| {
-            let mode = if routed_only { "routed_only" } else { "predicted" };
-            let blocks = &state.metrics.announced_blocks;
-            for (change, n) in
-                [("added", out.added), ("evicted", out.evicted), ("expired", out.expired), ("refused", out.refused)]
-            {
-                if n > 0 {
-                    blocks.with_label_values(&[mode, change]).inc_by(n);
-                }
-            }
-            if no_slot {
-                let max = state.cfg.max_workers;
-                state.log.warn("announce_refused", || {
-                    format!("refused an announcement for worker {worker}: all {max} worker slots are taken (max_workers)")
-                });
-            }
-        })
-    };
-    let routed_only = {
-        let set = state.routed_only.clone();
-        Arc::new(move |worker_id: u64| set.contains(worker_id))
-    };
-    Announcing {
-        predicted,
+/// How announcements are kept, as the configuration says.
+pub(super) fn announce_config(cfg: &Config) -> AnnounceConfig {
+    AnnounceConfig {
         predicted_capacity: cfg.predicted_max_blocks as usize,
         predicted_total: cfg.predicted_max_total,
         predicted_ttl_ms: (cfg.predicted_ttl * 1e3) as u64,
-        routed_only,
+        routed_only: cfg.routed_only(),
         routed_only_capacity: cfg.routed_only_capacity as usize,
         routed_only_ttl_ms: (cfg.routed_only_ttl * 1e3) as u64,
-        on_announced: Some(hook),
     }
+}
+
+/// The hook of every announcement and expiry: counts what it did, and logs refusals.
+pub(super) fn announced_hook(state: &Arc<State>) -> OnAnnounced {
+    let state = state.clone();
+    Arc::new(move |worker: WorkerId, routed_only, out, no_slot| {
+        let mode = if routed_only { "routed_only" } else { "predicted" };
+        let blocks = &state.metrics.announced_blocks;
+        for (change, n) in [("added", out.added), ("evicted", out.evicted), ("expired", out.expired), ("refused", out.refused)] {
+            if n > 0 {
+                blocks.with_label_values(&[mode, change]).inc_by(n);
+            }
+        }
+        if no_slot {
+            let max = state.cfg.max_workers;
+            state.log.warn("announce_refused", || {
+                format!("refused an announcement for worker {worker}: all {max} worker slots are taken (max_workers)")
+            });
+        }
+    })
 }
 
 /// Takes announcements until the subscription ends, and drops expired ones meanwhile.
@@ -66,7 +60,7 @@ pub(super) async fn routed_loop<I: KvIndex>(client: Client, state: Arc<State>, p
     // protocol used (sharded, each shard keeps those of its own workers).
     let prefix = &state.cfg.prefix;
     let mut subs = Vec::new();
-    for subject in [format!("{prefix}.routed"), format!("{prefix}.routed.*{}", state.shard_suffix)] {
+    for subject in [format!("{prefix}.routed"), format!("{prefix}.routed.*{}", state.subjects.shard_suffix)] {
         match client.subscribe(subject.clone()).await {
             Ok(sub) => subs.push(sub),
             Err(e) => {
@@ -86,7 +80,7 @@ pub(super) async fn routed_loop<I: KvIndex>(client: Client, state: Arc<State>, p
             },
             _ = tick.tick() => {
                 pool.expire_announced();
-                state.metrics.predicted_blocks.set(pool.predicted_blocks() as i64);
+                state.metrics.predicted_blocks.set(pool.model().predicted_blocks() as i64);
             }
         }
     }
@@ -111,7 +105,8 @@ fn take<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>
             return;
         }
     };
-    if state.cfg.predicted_ttl == 0.0 && !state.routed_only.contains(routed.worker_id) {
+    let routed_only = pool.model().routed_only().is_some_and(|r| r.contains(routed.worker_id));
+    if state.cfg.predicted_ttl == 0.0 && !routed_only {
         counted("ignored");
         // Nothing to apply: a router waiting for the ack gets it now rather than a timeout.
         if let Some(reply) = msg.reply {

@@ -6,10 +6,11 @@
 //! rebuilds the rest from the publishers (the broadcast resync of core mode).
 
 use super::State;
-use crate::apply::{ApplyPool, SavedWorker};
+use crate::apply::ApplyPool;
 use async_nats::jetstream::{self, kv, object_store};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
+use kvindex_core::model::SavedWorker;
 use serde::{Deserialize, Serialize};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -77,7 +78,7 @@ pub(super) type CutRequest = oneshot::Sender<Cut>;
 /// Takes a cut: called by the ingest loop, so no message is ingested meanwhile.
 pub(super) fn cut<I: KvIndex>(state: &State, pool: &ApplyPool<I>, stream_seq: u64) -> Cut {
     let positions = state.cursors.lock().positions();
-    let stale = state.stale.iter().map(|e| *e.key()).collect();
+    let stale = state.stale.list().into_iter().collect();
     Cut { stream_seq, positions, stale, saved: pool.save() }
 }
 
@@ -179,7 +180,7 @@ pub(super) async fn restore<I: KvIndex>(
             continue;
         }
         if w.stale {
-            state.mark_stale(id, "stale_in_snapshot");
+            state.stale.mark(id, "stale_in_snapshot");
         }
         workers += 1;
         blocks += w.saved.device.blocks.len();
@@ -191,7 +192,7 @@ pub(super) async fn restore<I: KvIndex>(
     let m = &state.metrics;
     m.snapshot_restore_seconds.set(took);
     m.snapshot_bytes.set(bytes as i64);
-    state.snapshot_written.store(written_ns, Ordering::Relaxed);
+    state.durable.snapshot_written.store(written_ns, Ordering::Relaxed);
     tracing::info!(
         stream_seq = snap.stream_seq,
         workers,
@@ -211,16 +212,16 @@ pub(super) async fn snapshot_loop(js: jetstream::Context, state: Arc<State>, cut
     }
     let me = bytes::Bytes::from(format!("{}-{}", std::process::id(), kvindex_core::seeded::process_seed()));
     let mut lease = Lease { bucket: None, revision: None };
-    let mut last = (Instant::now(), state.stream_seq.load(Ordering::Relaxed));
+    let mut last = (Instant::now(), state.durable.stream_seq.load(Ordering::Relaxed));
     let mut tick = tokio::time::interval(TICK);
     loop {
         tick.tick().await;
         let held = lease.hold(&js, &state, &me).await;
         state.metrics.snapshot_lease.set(held as i64);
-        let seq = state.stream_seq.load(Ordering::Relaxed);
+        let seq = state.durable.stream_seq.load(Ordering::Relaxed);
         let by_time = cfg.snapshot_interval > 0 && last.0.elapsed() >= Duration::from_secs(cfg.snapshot_interval);
         let by_count = cfg.snapshot_events > 0 && seq.saturating_sub(last.1) >= cfg.snapshot_events;
-        let whole = state.caught_up.is_done() && state.connected.load(Ordering::Relaxed);
+        let whole = state.health.caught_up.is_done() && state.health.connected.load(Ordering::Relaxed);
         if !held || !whole || seq == last.1 || !(by_time || by_count) {
             continue;
         }
@@ -326,7 +327,7 @@ async fn write(js: &jetstream::Context, state: &Arc<State>, cuts: &mpsc::Sender<
     m.snapshot_writes.with_label_values(&["ok"]).inc();
     m.snapshot_write_seconds.set(took);
     m.snapshot_bytes.set(bytes.len() as i64);
-    state.snapshot_written.store(super::now_ns(), Ordering::Relaxed);
+    state.durable.snapshot_written.store(super::now_ns(), Ordering::Relaxed);
     tracing::info!(snapshot = %name, bytes = bytes.len(), seconds = took, "wrote an index snapshot");
     Ok(Some(stream_seq))
 }

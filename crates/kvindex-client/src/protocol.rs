@@ -8,7 +8,8 @@
 //! for publishers in languages without u64).
 
 use kvindex_core::groups::{GroupKind, MAX_GROUP};
-use kvindex_core::hash::{local_hashes_ahead, BlockHash, LocalHash, StoredBlock};
+use kvindex_core::hash::{local_hashes_ahead, BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex_core::model::{Answer, Depths};
 use kvindex_core::{Event, Tier};
 use serde::{Deserialize, Serialize};
 
@@ -1018,22 +1019,57 @@ impl MatchGroup {
     }
 }
 
-/// Groups entries that are in answer order (deepest first): consecutive entries with the same
-/// answer share a group.
-pub fn group_entries(entries: impl IntoIterator<Item = MatchEntry>) -> Vec<MatchGroup> {
-    let mut out: Vec<MatchGroup> = Vec::new();
-    for e in entries {
-        match out.last_mut() {
-            Some(g) if g.same_answer(&e) => g.workers.push(WorkerPair(e.worker_id, e.dp_rank)),
-            _ => out.push(MatchGroup {
-                workers: vec![WorkerPair(e.worker_id, e.dp_rank)],
-                blocks: e.blocks,
-                stale: e.stale,
-                tiers: e.tiers,
-                predicted_blocks: e.predicted_blocks,
-                approximate: e.approximate,
-            }),
+impl MatchGroup {
+    /// The wire form of one group of a domain answer.
+    fn of(depths: Depths, workers: &[WorkerId]) -> MatchGroup {
+        MatchGroup {
+            workers: workers.iter().map(|w| WorkerPair(w.worker_id, w.dp_rank)).collect(),
+            blocks: depths.blocks,
+            stale: depths.stale,
+            tiers: TierDepths { host: depths.host, disk: depths.disk },
+            predicted_blocks: depths.predicted,
+            approximate: depths.approximate,
         }
+    }
+}
+
+/// Upper bound of one encoded match (with both tiers' depths, a prediction and the
+/// approximate flag) or stale worker, and of an answer's envelope, in bytes. A group of a
+/// grouped answer costs one entry and each of its workers an eighth of one (16 bytes).
+const ENTRY_BYTES: usize = 128;
+
+/// Entries (matches and stale workers together) that fit in one NATS message of `max_payload`.
+pub fn entries_that_fit(max_payload: usize) -> usize {
+    max_payload.saturating_sub(ENTRY_BYTES) / ENTRY_BYTES
+}
+
+/// The groups that fit in `room` entries, deepest first, the last one cut if need be; and the
+/// entries they take. In a grouped answer a group costs one entry and each of its workers an
+/// eighth of one; in a flat one each worker is an entry of its own.
+fn fit(mut groups: Vec<MatchGroup>, room: usize, grouped: bool) -> (Vec<MatchGroup>, usize) {
+    let cost = |workers: usize| if grouped { 1 + workers.div_ceil(8) } else { workers };
+    let mut used = 0;
+    for (i, g) in groups.iter_mut().enumerate() {
+        if used + cost(g.workers.len()) > room {
+            let left = if grouped { room.saturating_sub(used + 1) * 8 } else { room - used };
+            g.workers.truncate(left);
+            let keep = i + usize::from(!g.workers.is_empty());
+            used += if g.workers.is_empty() { 0 } else { cost(g.workers.len()) };
+            groups.truncate(keep);
+            return (groups, used);
+        }
+        used += cost(g.workers.len());
+    }
+    (groups, used)
+}
+
+/// One entry per worker, deepest first, ties by worker (the order a v1 answer promises).
+fn flat(groups: &[MatchGroup]) -> Vec<MatchEntry> {
+    let mut out = Vec::with_capacity(groups.iter().map(|g| g.workers.len()).sum());
+    for g in groups {
+        let from = out.len();
+        out.extend(g.entries());
+        out[from..].sort_unstable_by_key(|e: &MatchEntry| (e.worker_id, e.dp_rank));
     }
     out
 }
@@ -1115,6 +1151,22 @@ pub enum LookupResponse {
 }
 
 impl LookupResponse {
+    /// The wire form of a domain answer: in `groups` (`grouped`) or one entry per worker in
+    /// `matches`, the deepest first, the stale workers that match nothing after them, never
+    /// more than `room` entries together (see [`entries_that_fit`]).
+    pub fn from_answer(answer: &Answer, grouped: bool, room: usize, shard: Option<ShardOf>) -> LookupResponse {
+        let groups = answer.groups().map(|(depths, workers)| MatchGroup::of(depths, workers)).collect();
+        let (groups, used) = fit(groups, room, grouped);
+        let stale_workers = answer
+            .stale_workers()
+            .iter()
+            .take(room.saturating_sub(used))
+            .map(|w| WorkerRef { worker_id: w.worker_id, dp_rank: w.dp_rank })
+            .collect();
+        let (matches, groups) = if grouped { (Vec::new(), groups) } else { (flat(&groups), Vec::new()) };
+        LookupResponse::Matches { matches, groups, shard, missing_shards: Vec::new(), stale_workers }
+    }
+
     /// The msgpack bytes of the answer.
     pub fn encode(&self) -> Vec<u8> {
         // Serialising these plain structs to a Vec cannot fail.
@@ -1167,6 +1219,56 @@ impl ResyncAck {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cut_answer_fits_in_one_message_grouped_or_flat() {
+        // Every worker of a large fleet at one depth, and stale workers beside them.
+        let mut answer = Answer::default();
+        let workers: Vec<WorkerId> = (0..20_000).map(|i| WorkerId::new(u64::MAX - i, u32::MAX)).collect();
+        answer.push_group(Depths { blocks: u32::MAX, stale: true, ..Depths::default() }, &workers);
+        answer.set_stale_workers((0..5_000).map(|i| WorkerId::new(i, 0)).collect());
+        for max_payload in [64 << 10, 1 << 20] {
+            let room = entries_that_fit(max_payload);
+            for grouped in [false, true] {
+                let bytes = LookupResponse::from_answer(&answer, grouped, room, None).encode();
+                assert!(bytes.len() <= max_payload, "grouped {grouped}: {} bytes over {max_payload}", bytes.len());
+            }
+        }
+        // A flat answer lists as many workers as fit, each an entry of its own.
+        let LookupResponse::Matches { matches, stale_workers, .. } = LookupResponse::from_answer(&answer, false, 100, None)
+        else {
+            panic!("an answer")
+        };
+        assert_eq!((matches.len(), stale_workers.len()), (100, 0));
+    }
+
+    #[test]
+    fn a_full_answer_fits_in_one_message() {
+        for max_payload in [4096usize, 1 << 20, 8 << 20] {
+            let n = entries_that_fit(max_payload);
+            let tiers = TierDepths { host: Some(u32::MAX), disk: Some(u32::MAX) };
+            let widest = MatchEntry {
+                worker_id: u64::MAX,
+                dp_rank: u32::MAX,
+                blocks: u32::MAX,
+                stale: true,
+                tiers,
+                predicted_blocks: Some(u32::MAX),
+                approximate: true,
+            };
+            let stale = WorkerRef { worker_id: u64::MAX, dp_rank: u32::MAX };
+            for split in [0, n / 2, n] {
+                let answer = LookupResponse::Matches {
+                    matches: vec![widest.clone(); split],
+                    groups: vec![],
+                    shard: None,
+                    missing_shards: vec![],
+                    stale_workers: vec![stale; n - split],
+                };
+                assert!(answer.encode().len() <= max_payload, "{split} of {n} entries overflow {max_payload}");
+            }
+        }
+    }
     use kvindex_core::hash::local_hashes;
 
     #[test]

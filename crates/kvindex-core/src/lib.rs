@@ -20,6 +20,9 @@
 //! - [`tiers`]: host and disk tiers, each with an index of its own beside the device index.
 //! - [`index`]: the [`KvIndex`] trait and its backends: [`RunIndex`] (the default),
 //!   [`PositionalIndex`] and the [`ReferenceIndex`] model the tests compare both against.
+//! - [`model`]: a deployment's view of one model, composed: the device index, the tiers, the
+//!   groups and the predictions behind one `apply` of a worker's events and one `answer` to a
+//!   lookup (what the daemon runs; an embedder answers what the daemon answers).
 //!
 //! # Guarantees
 //!
@@ -56,6 +59,7 @@ pub mod event;
 pub mod groups;
 pub mod hash;
 pub mod index;
+pub mod model;
 pub mod seeded;
 mod sync;
 pub mod tiers;
@@ -68,3 +72,4 @@ pub use index::positional::{PositionalConfig, PositionalIndex};
 pub use index::reference::ReferenceIndex;
 pub use index::runs::{RunConfig, RunIndex};
 pub use index::{ApplyOutcome, Backend, DepthGroups, IndexStats, KvIndex, MatchOptions, WorkerMatch};
+pub use model::{Answer, Depths, Model, Writers};

@@ -14,6 +14,7 @@ use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::positional::PositionalConfig;
 use kvindex_core::index::reference::ReferenceIndex;
 use kvindex_core::index::{KvIndex, MatchOptions, WorkerMatch};
+use kvindex_core::model::Model;
 use kvindex_core::Event;
 use rustc_hash::FxHashMap;
 use serde::Serialize;
@@ -314,8 +315,9 @@ impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
 
 /// Events through the apply pool, lookups from other threads at the same time.
 fn concurrent<I: Answering>(index: I, wl: &Workload, cfg: &BenchConfig, mut row: BenchResult) -> BenchResult {
-    let index = Arc::new(index);
-    let pool = ApplyPool::new(index.clone(), cfg.apply_threads, 1024, None);
+    let model = Arc::new(Model::new(index));
+    let pool = ApplyPool::new(model.clone(), cfg.apply_threads, 1024, None, None);
+    let index = model.device();
     let queries = wl.lookup_queries();
     let done = AtomicBool::new(false);
     let looked = AtomicU64::new(0);
@@ -324,7 +326,7 @@ fn concurrent<I: Answering>(index: I, wl: &Workload, cfg: &BenchConfig, mut row:
     let (secs, hists) = std::thread::scope(|s| {
         let readers: Vec<_> = (0..cfg.lookup_threads)
             .map(|t| {
-                let (index, queries, done, looked, looked_blocks) = (&index, &queries, &done, &looked, &looked_blocks);
+                let (queries, done, looked, looked_blocks) = (&queries, &done, &looked, &looked_blocks);
                 s.spawn(move || {
                     let mut lat = histogram();
                     let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
@@ -332,7 +334,7 @@ fn concurrent<I: Answering>(index: I, wl: &Workload, cfg: &BenchConfig, mut row:
                     while !done.load(Ordering::Relaxed) && !queries.is_empty() {
                         let q = queries[i % queries.len()];
                         let t0 = Instant::now();
-                        std::hint::black_box(ask(&**index, q, &opts));
+                        std::hint::black_box(ask(index, q, &opts));
                         let _ = lat.record(t0.elapsed().as_nanos() as u64);
                         looked.fetch_add(1, Ordering::Relaxed);
                         looked_blocks.fetch_add(q.len() as u64, Ordering::Relaxed);

@@ -10,14 +10,14 @@
 
 use crate::answering::Answering;
 use crate::indexers::{with_backend, FnOnceIndex, Indexer};
-use crate::report::{histogram, si, us};
+use crate::report::{histogram, progress, si, us};
 use crate::stream::Op;
 use crate::workload::Workload;
 use hdrhistogram::Histogram;
-use indicatif::{ProgressBar, ProgressStyle};
 use kvindex::apply::{ApplyPool, OnApplied};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, MatchOptions};
+use kvindex_core::model::Model;
 use kvindex_core::Event;
 use parking_lot::Mutex;
 use serde::Serialize;
@@ -113,7 +113,8 @@ impl FnOnceIndex<Vec<KeepUpPoint>> for Sweep<'_> {
 /// One open-loop run of `wl` on `index` with its timeline compressed `speedup` times.
 fn once<I: KvIndex>(index: I, wl: &Workload, ts: &[u64], speedup: f64, cfg: &KeepUpConfig) -> KeepUpPoint {
     let name = index.name().to_string();
-    let index = Arc::new(index);
+    let model = Arc::new(Model::new(index));
+    let index = model.device();
     let span_s = ts.last().copied().unwrap_or(0).max(1) as f64 / 1000.0;
     let window_s = span_s / speedup;
     // Batches and lookups made up front, so issuing costs no copy.
@@ -140,25 +141,14 @@ fn once<I: KvIndex>(index: I, wl: &Workload, ts: &[u64], speedup: f64, cfg: &Kee
             let _ = h.1.record(done.saturating_sub(issued).max(1));
         })
     };
-    let pool = ApplyPool::new(index.clone(), cfg.apply_threads, 1024, Some(hook));
+    let pool = ApplyPool::new(model.clone(), cfg.apply_threads, 1024, Some(hook), None);
     let (lookups, inbox) = crossbeam_channel::unbounded::<(usize, u64)>();
-    let pb = if cfg.progress {
-        let pb = ProgressBar::new(wl.ops.len() as u64);
-        pb.set_style(
-            ProgressStyle::with_template("{msg:>28} [{bar:30}] {pos}/{len} ops {elapsed}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar())
-                .progress_chars("=> "),
-        );
-        pb.set_message(format!("{name} keep-up x{speedup}"));
-        pb
-    } else {
-        ProgressBar::hidden()
-    };
+    let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} keep-up x{speedup}"));
     let mut lag = histogram();
     let (served, elapsed) = std::thread::scope(|s| {
         let readers: Vec<_> = (0..cfg.lookup_threads.max(1))
             .map(|_| {
-                let (index, inbox, queries) = (&index, inbox.clone(), &queries);
+                let (inbox, queries) = (inbox.clone(), &queries);
                 let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
                 s.spawn(move || {
                     let (mut wait, mut service) = (histogram(), histogram());
