@@ -7,8 +7,9 @@ use figment::{Figment, Metadata, Profile, Provider};
 use kvindex_client::nats::NatsSettings;
 use kvindex_client::protocol::check_prefix;
 use kvindex_core::index::positional::PositionalConfig;
+use kvindex_core::index::runs::RunConfig;
 use kvindex_core::index::Backend;
-use kvindex_core::model::RoutedOnly;
+use kvindex_core::model::{AnnounceConfig, RoutedOnly};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
@@ -430,6 +431,38 @@ impl Config {
     /// The routed-only workers (approximate mode), as a set asked on every batch and match.
     pub fn routed_only(&self) -> RoutedOnly {
         RoutedOnly { all: self.routed_only_all, workers: self.routed_only_workers.iter().copied().collect() }
+    }
+
+    /// How the model keeps routers' announcements.
+    pub fn announcing(&self) -> AnnounceConfig {
+        AnnounceConfig {
+            predicted_capacity: self.predicted_max_blocks as usize,
+            predicted_total: self.predicted_max_total,
+            predicted_ttl_ms: (self.predicted_ttl * 1e3) as u64,
+            routed_only: self.routed_only(),
+            routed_only_capacity: self.routed_only_capacity as usize,
+            routed_only_ttl_ms: (self.routed_only_ttl * 1e3) as u64,
+        }
+    }
+
+    /// The run index's limits.
+    pub fn run_config(&self) -> RunConfig {
+        RunConfig {
+            max_depth: self.max_depth,
+            max_workers: self.max_workers,
+            max_blocks_per_worker: self.max_blocks_per_worker,
+            ..RunConfig::default()
+        }
+    }
+
+    /// The positional index's limits.
+    pub fn positional_config(&self) -> PositionalConfig {
+        PositionalConfig {
+            jump: self.jump,
+            max_depth: self.max_depth,
+            max_workers: self.max_workers,
+            max_blocks_per_worker: self.max_blocks_per_worker,
+        }
     }
 
     /// The JetStream stream's name: `stream`, or derived from the prefix (`kv` -> `KV_EVENTS`).

@@ -39,8 +39,8 @@ use crate::metrics::Metrics;
 use anyhow::Context;
 use async_nats::{Client, Event};
 use futures::StreamExt;
-use kvindex_core::index::positional::{PositionalConfig, PositionalIndex};
-use kvindex_core::index::runs::{RunConfig, RunIndex};
+use kvindex_core::index::positional::PositionalIndex;
+use kvindex_core::index::runs::RunIndex;
 use kvindex_core::index::{Backend, KvIndex};
 use kvindex_core::model::Model;
 use state::{now_ns, State};
@@ -89,21 +89,11 @@ pub async fn serve(cfg: Config, shutdown: impl Future<Output = ()> + Send) -> an
     }
     match cfg.backend {
         Backend::Runs => {
-            let index_cfg = RunConfig {
-                max_depth: cfg.max_depth,
-                max_workers: cfg.max_workers,
-                max_blocks_per_worker: cfg.max_blocks_per_worker,
-                ..RunConfig::default()
-            };
+            let index_cfg = cfg.run_config();
             run(cfg, move || RunIndex::new(index_cfg), shutdown).await
         }
         Backend::Positional => {
-            let index_cfg = PositionalConfig {
-                jump: cfg.jump,
-                max_depth: cfg.max_depth,
-                max_workers: cfg.max_workers,
-                max_blocks_per_worker: cfg.max_blocks_per_worker,
-            };
+            let index_cfg = cfg.positional_config();
             run(cfg, move || PositionalIndex::new(index_cfg), shutdown).await
         }
         Backend::Reference => anyhow::bail!("configuration: backend: the reference model is for tests, not for serving"),
@@ -232,7 +222,7 @@ async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Futur
     metrics.apply_queue_capacity.set(cfg.queue_capacity as i64);
     let (resync_tx, resync_rx) = mpsc::unbounded_channel();
     let state = Arc::new(State::new(cfg.clone(), metrics.clone(), resync_tx));
-    let model = Arc::new(Model::complete(&make, routed::announce_config(&cfg)));
+    let model = Arc::new(Model::complete(&make, cfg.announcing()));
     let pool = Arc::new(ApplyPool::new(
         model,
         cfg.apply_threads(),

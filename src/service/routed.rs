@@ -6,13 +6,11 @@
 
 use super::State;
 use crate::apply::{ApplyPool, OnAnnounced};
-use crate::config::Config;
 use async_nats::Client;
 use futures::StreamExt;
 use kvindex_client::protocol::Routed;
 use kvindex_client::shards::partition;
 use kvindex_core::index::KvIndex;
-use kvindex_core::model::AnnounceConfig;
 use kvindex_core::WorkerId;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,18 +18,6 @@ use std::time::Duration;
 /// How often announced blocks past their TTL are dropped: a block lives up to this much past
 /// its TTL.
 const EXPIRE_EVERY: Duration = Duration::from_millis(100);
-
-/// How announcements are kept, as the configuration says.
-pub(super) fn announce_config(cfg: &Config) -> AnnounceConfig {
-    AnnounceConfig {
-        predicted_capacity: cfg.predicted_max_blocks as usize,
-        predicted_total: cfg.predicted_max_total,
-        predicted_ttl_ms: (cfg.predicted_ttl * 1e3) as u64,
-        routed_only: cfg.routed_only(),
-        routed_only_capacity: cfg.routed_only_capacity as usize,
-        routed_only_ttl_ms: (cfg.routed_only_ttl * 1e3) as u64,
-    }
-}
 
 /// The hook of every announcement and expiry: counts what it did, and logs refusals.
 pub(super) fn announced_hook(state: &Arc<State>) -> OnAnnounced {
