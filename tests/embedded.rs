@@ -37,9 +37,9 @@ async fn an_embedded_model_answers_what_the_daemon_answers() {
     for op in ops.into_iter().map(|o| Op::from(o.op)) {
         match op {
             Op::Event(worker, ev) => {
-                if !publishers.contains_key(&worker) {
+                if let std::collections::hash_map::Entry::Vacant(slot) = publishers.entry(worker) {
                     let cfg = PublisherConfig::new(&daemon.cfg.prefix, worker.worker_id, worker.dp_rank);
-                    publishers.insert(worker, Publisher::start(client.clone(), cfg).await.unwrap());
+                    slot.insert(Publisher::start(client.clone(), cfg).await.unwrap());
                 }
                 publishers[&worker].publish(&ev);
                 let out = model.apply(&mut writers, worker, std::slice::from_ref(&ev)).expect("a slot");
