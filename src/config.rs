@@ -80,18 +80,19 @@ pub struct Config {
     /// JetStream mode: the stream over `{prefix}.events.>` (created if missing; empty: the
     /// prefix upper-cased with `_EVENTS`).
     pub stream: String,
-    /// JetStream mode: seconds an event is kept, and bytes the stream keeps at most. A
-    /// restart replays what is kept; a worker whose earlier events aged out is resynced from
-    /// its publisher as in core mode.
+    /// JetStream mode: seconds an event is kept. A restart replays what is kept; a worker whose
+    /// earlier events aged out is resynced from its publisher as in core mode.
     pub stream_max_age: u64,
+    /// JetStream mode: bytes the stream keeps at most (the oldest events go first).
     pub stream_max_bytes: i64,
     /// JetStream mode: copies of the stream (1, or 3 in a NATS cluster).
     pub stream_replicas: usize,
     /// JetStream mode: one replica (the holder of a lease in the KV bucket `{stream}_LEASE`)
-    /// writes the index to the object store `{stream}_SNAPSHOTS` every this many seconds
-    /// (0: never by time) or after `snapshot_events` stream messages (0: never by count); a
-    /// restarted replica loads the newest and replays only the stream after it.
+    /// writes the index to the object store `{stream}_SNAPSHOTS` every this many seconds (0:
+    /// never by time); a restarted replica loads the newest and replays only the stream after it.
     pub snapshot_interval: u64,
+    /// JetStream mode: a snapshot is also written after this many stream messages (0: never by
+    /// count).
     pub snapshot_events: u64,
     /// JetStream mode: snapshots kept in the object store (the newest first).
     pub snapshot_keep: usize,
@@ -111,11 +112,12 @@ pub struct Config {
     /// Seconds before a stale worker that has not resynced is asked again; the wait doubles
     /// with each unanswered request, up to `resync_max_interval`.
     pub resync_interval: u64,
+    /// The longest wait, in seconds, between two resync requests to one stale worker.
     pub resync_max_interval: u64,
     /// After a broadcast resync (start, NATS reconnect), `/readyz` waits for the publishers'
-    /// snapshots: until none has been open or begun for `ready_settle_ms`, or at most
-    /// `ready_timeout` seconds.
+    /// snapshots until none has been open or begun for this many milliseconds...
     pub ready_settle_ms: u64,
+    /// ...or at most this many seconds after the broadcast.
     pub ready_timeout: u64,
     /// Seconds a shutdown may take to apply queued events and answer lookups in flight; past
     /// it the process exits anyway (a pod must not hang terminating while NATS is away).
@@ -240,6 +242,7 @@ impl<P: Provider> Provider for Named<P> {
 /// One key of the effective configuration, for `kvindex config`.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct Explained {
+    /// The key, as the file spells it.
     pub key: String,
     /// The value; `null` when unset.
     pub value: serde_json::Value,

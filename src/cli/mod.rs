@@ -163,6 +163,9 @@ struct LookupArgs {
     /// The cache salt of the request.
     #[arg(long)]
     salt: Option<String>,
+    /// Tokens after each block its hash also covers (vLLM's num_hash_lookahead_tokens).
+    #[arg(long)]
+    lookahead: Option<u32>,
     /// At most this many matches, deepest first.
     #[arg(long)]
     max_matches: Option<u32>,
@@ -286,6 +289,7 @@ fn lookup_cmd(a: LookupArgs) -> Result<()> {
         block_hashes: a.hashes,
         lora_name: a.lora_name,
         salt: a.salt,
+        lookahead: a.lookahead,
         max_matches: a.max_matches,
         ..Default::default()
     };

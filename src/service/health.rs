@@ -83,7 +83,7 @@ impl Health {
     pub(super) fn begin_rebuild(&self) {
         *self.readiness.lock() = Readiness::new();
         self.ready.send_replace(false);
-        self.metrics.ready.set(0);
+        self.metrics.workers.ready.set(0);
     }
 
     /// Rebuilt without a broadcast (from a snapshot of the index and the stream after it).
@@ -115,7 +115,7 @@ impl Health {
             if connected && (quiet || timed_out) {
                 r.ready = true;
                 let took = now.duration_since(r.broadcast_at).as_secs_f64();
-                self.metrics.rebuild_seconds.set(took);
+                self.metrics.workers.rebuild_seconds.set(took);
                 if quiet {
                     tracing::info!(
                         snapshots = r.completed,
@@ -134,7 +134,7 @@ impl Health {
         }
         let ready = connected && r.ready && self.caught_up.is_done();
         self.ready.send_if_modified(|now| std::mem::replace(now, ready) != ready);
-        self.metrics.ready.set(ready as i64);
+        self.metrics.workers.ready.set(ready as i64);
     }
 
     /// What `/readyz` answers: ready, or why not.

@@ -69,7 +69,7 @@ fn decode(state: &State, subject_id: u64, payload: &[u8]) -> Option<EventBatch> 
             return None;
         }
     };
-    state.metrics.batches_received.inc();
+    state.metrics.ingest.batches_received.inc();
     if batch.header.worker_id != subject_id {
         state.fail("worker_mismatch", || {
             format!("dropped a batch for worker {} sent on the subject of worker {subject_id}", batch.header.worker_id)
@@ -107,7 +107,7 @@ fn admit<'c>(
     c.last_seen = now;
     let new_epoch = c.epoch != h.epoch;
     if new_epoch {
-        state.metrics.epochs_changed.inc();
+        state.metrics.ingest.epochs_changed.inc();
         tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
         *c = Cursor::start(h.epoch, now);
     }
@@ -163,13 +163,13 @@ fn follow(
             // that this index never saw.
             None => f.midstream = ev.event_id != 0 && !opens_snapshot,
             Some(n) if ev.event_id < n => {
-                m.duplicate_events.inc();
+                m.ingest.duplicate_events.inc();
                 continue;
             }
             // A snapshot starts afresh, so events missed before it do not matter.
             Some(n) if ev.event_id > n && !opens_snapshot => {
                 tracing::debug!(worker = %w, expected = n, got = ev.event_id, "event gap");
-                m.event_gaps.inc();
+                m.ingest.event_gaps.inc();
                 f.gap = true;
                 c.snapshot_clean = false;
             }
@@ -197,7 +197,7 @@ fn follow_tail(state: &State, c: &mut Cursor, w: WorkerId, h: &BatchHeader, f: &
     match (h.next_event_id, c.next_id) {
         (Some(n), Some(x)) if n > x => {
             tracing::debug!(worker = %w, expected = x, next = n, "events lost at the tail");
-            state.metrics.event_gaps.inc();
+            state.metrics.ingest.event_gaps.inc();
             f.gap = true;
             c.snapshot_clean = false;
             c.next_id = Some(n);
@@ -217,10 +217,10 @@ fn count_event(state: &State, ev: &Event) {
     let m = &state.metrics;
     match ev {
         Event::Stored { tier, blocks, .. } if *tier != Tier::Device => {
-            m.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
+            m.ingest.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
         }
         Event::Removed { tier, hashes } if *tier != Tier::Device => {
-            m.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
+            m.ingest.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
         }
         Event::Stored { .. } | Event::GroupStored { .. } => m.hot.events_stored.inc(),
         Event::Removed { .. } | Event::GroupRemoved { .. } => m.hot.events_removed.inc(),
@@ -241,13 +241,13 @@ fn flag(state: &State, w: WorkerId, h: &BatchHeader, f: &Followed, mut clear_aft
         } else {
             "begun"
         };
-        state.metrics.snapshots.with_label_values(&[result]).inc();
+        state.metrics.ingest.snapshots.with_label_values(&[result]).inc();
     }
     if f.gap {
         state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
         state.stale.mark(w, "event_gap");
     } else if f.midstream {
-        state.metrics.midstream_workers.inc();
+        state.metrics.ingest.midstream_workers.inc();
         state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
         state.stale.mark(w, "midstream");
     } else if f.snapshot_done {
@@ -334,7 +334,7 @@ fn refuse(state: &State, w: WorkerId, refusal: Refusal, events: usize) {
             ("max_dp_ranks", format!("worker id {} already has {} dp ranks (max_dp_ranks)", w.worker_id, state.cfg.max_dp_ranks))
         }
     };
-    state.metrics.refused_events.with_label_values(&[reason]).inc_by(events.max(1) as u64);
+    state.metrics.ingest.refused_events.with_label_values(&[reason]).inc_by(events.max(1) as u64);
     state.log.warn(reason, || format!("refused the batches of worker {w}: {why}"));
 }
 

@@ -58,7 +58,7 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         // The server has the subscriptions once a flush returns: only then say so.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(2), client.flush()).await;
         state.health.member.store(true, Ordering::Relaxed);
-        state.metrics.lookup_member.set(1);
+        state.metrics.lookups.lookup_member.set(1);
         tracing::info!(subscribers = subs.len(), "answering lookups: joined the kvindex queue group");
         let (leave, left) = tokio::sync::watch::channel(false);
         let tasks: Vec<_> = subs
@@ -74,7 +74,7 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         for t in tasks {
             let _ = t.await;
         }
-        state.metrics.lookup_member.set(0);
+        state.metrics.lookups.lookup_member.set(0);
         if stopping {
             return;
         }
@@ -115,7 +115,7 @@ async fn answer<I: KvIndex>(client: &Client, state: &State, pool: &ApplyPool<I>,
     let (resp, ok) = respond(state, pool.model(), room, req);
     if let Some(reply) = msg.reply {
         if let Err(e) = client.publish(reply, resp.encode().into()).await {
-            state.metrics.lookup_reply_failures.inc();
+            state.metrics.lookups.lookup_reply_failures.inc();
             state.log.warn("reply_failed", || format!("could not send a lookup reply: {e}"));
         }
     }

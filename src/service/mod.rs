@@ -120,16 +120,16 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
         let m = &state.metrics;
         m.hot.blocks_stored.inc_by(out.stored);
         m.hot.blocks_removed.inc_by(out.removed);
-        m.unknown_removes.inc_by(out.unknown_removes);
+        m.apply.unknown_removes.inc_by(out.unknown_removes);
         // Past max_depth: ignored and counted, the worker stays whole (a resync would bring
         // the same chain back).
-        m.too_deep_blocks.inc_by(out.too_deep);
+        m.apply.too_deep_blocks.inc_by(out.too_deep);
         // Host or disk chains whose parent is not in that tier: counted, never stale.
-        m.tier_unplaceable_blocks.inc_by(out.tier_unplaceable);
+        m.apply.tier_unplaceable_blocks.inc_by(out.tier_unplaceable);
         // Hybrid groups' blocks without a place: the depth comes out shallower, never stale.
-        m.group_missed_blocks.inc_by(out.group_missed);
+        m.apply.group_missed_blocks.inc_by(out.group_missed);
         if out.refused > 0 {
-            m.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
+            m.ingest.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
             let max = state.cfg.max_workers;
             state.log.warn("registry_full", || {
                 format!("refused the events of worker {worker}: all {max} worker slots are taken (max_workers)")
@@ -137,7 +137,7 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
         }
         if out.over_limit > 0 {
             // Its blocks past max_blocks_per_worker are refused: its state is incomplete.
-            m.over_limit_blocks.inc_by(out.over_limit);
+            m.apply.over_limit_blocks.inc_by(out.over_limit);
             let max = state.cfg.max_blocks_per_worker;
             state.log.warn("over_limit", || {
                 format!(
@@ -149,12 +149,12 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
         }
         if out.unplaceable > 0 {
             // Its position and prefix are unknown: the worker's state is off until a resync.
-            m.unplaceable_blocks.inc_by(out.unplaceable);
+            m.apply.unplaceable_blocks.inc_by(out.unplaceable);
             state.stale.mark(worker, "unplaceable");
         }
         let now = now_ns();
         if ts_ns > 0 && now >= ts_ns {
-            m.event_lag.observe((now - ts_ns) as f64 / 1e9);
+            m.ingest.event_lag.observe((now - ts_ns) as f64 / 1e9);
         }
     })
 }
@@ -219,7 +219,7 @@ struct Signals {
 /// the predictions'.
 async fn run<I: KvIndex>(cfg: Config, make: impl Fn() -> I, shutdown: impl Future<Output = ()> + Send) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
-    metrics.apply_queue_capacity.set(cfg.queue_capacity as i64);
+    metrics.index.apply_queue_capacity.set(cfg.queue_capacity as i64);
     let (resync_tx, resync_rx) = mpsc::unbounded_channel();
     let state = Arc::new(State::new(cfg.clone(), metrics.clone(), resync_tx));
     let model = Arc::new(Model::complete(&make, cfg.announcing()));
@@ -290,7 +290,7 @@ fn started(state: &State, client: &Client, backend: &str) {
     let cfg = &state.cfg;
     let connected = client.connection_state() == async_nats::connection::State::Connected;
     state.health.connected.store(connected, Ordering::Relaxed);
-    state.metrics.nats_connected.set(connected as i64);
+    state.metrics.nats.connected.set(connected as i64);
     tracing::info!(
         nats = %cfg.nats.nats_url, prefix = %cfg.prefix, metrics = %cfg.metrics_addr, inspect = %cfg.inspect_addr, backend,
         apply_threads = cfg.apply_threads(), "kvindex serving"
@@ -339,7 +339,7 @@ async fn event_loop<I: KvIndex>(
             }
             _ = watchdog.tick() => {
                 let dead = pool.dead_threads();
-                state.metrics.dead_apply_threads.set(dead as i64);
+                state.metrics.index.dead_apply_threads.set(dead as i64);
                 if dead > 0 {
                     tracing::error!(dead, "an apply thread died: its workers' events can no longer be applied; exiting");
                     return Some(anyhow::anyhow!("{dead} apply thread(s) died"));

@@ -24,10 +24,10 @@ pub(super) async fn broadcast_resync(client: &Client, state: &State) {
 async fn ask_everyone(client: &Client, state: &State) {
     // Sharded, the payload names the shard: only its workers' publishers answer.
     let payload = state.cfg.shard_of().map_or_else(bytes::Bytes::new, |s| {
-        kvindex_client::protocol::ResyncShard { shard: s.shard, shards: s.shards }.encode().into()
+        kvindex_client::shards::ResyncShard { shard: s.shard, shards: s.shards }.encode().into()
     });
     match client.publish(format!("{}.resync", state.cfg.prefix), payload).await {
-        Ok(()) => state.metrics.resync_requests.with_label_values(&["all"]).inc(),
+        Ok(()) => state.metrics.workers.resync_requests.with_label_values(&["all"]).inc(),
         Err(e) => state.log.warn("resync_broadcast", || format!("could not broadcast a resync request: {e}")),
     }
 }
@@ -57,7 +57,7 @@ pub(super) async fn nats_events(
             Event::Draining => "draining",
             Event::Closed => "closed",
         };
-        m.nats_events.with_label_values(&[kind]).inc();
+        m.nats.events.with_label_values(&[kind]).inc();
         match e {
             Event::Connected => {
                 tracing::info!("connected to NATS");
@@ -70,7 +70,7 @@ pub(super) async fn nats_events(
                     let _ = reopen.try_send(());
                 }
                 state.health.connected.store(true, Ordering::Relaxed);
-                m.nats_connected.set(1);
+                m.nats.connected.set(1);
                 if reconnect && !durable {
                     // Events published while we were away are lost: ask every publisher for its state.
                     broadcast_resync(&client, &state).await;
@@ -80,7 +80,7 @@ pub(super) async fn nats_events(
             Event::Disconnected | Event::Closed => {
                 state.log.warn("nats_disconnected", || format!("lost the NATS connection ({e}); reconnecting"));
                 state.health.connected.store(false, Ordering::Relaxed);
-                m.nats_connected.set(0);
+                m.nats.connected.set(0);
             }
             Event::SlowConsumer(_) => {
                 // The client dropped messages of ours: events of unknown workers are lost.
@@ -136,14 +136,14 @@ pub(super) async fn resync_loop(client: Client, state: Arc<State>, mut rx: mpsc:
                 Some(r.attempts)
             });
             let Some(attempt) = ask.flatten() else { continue };
-            state.metrics.resync_requests.with_label_values(&["worker"]).inc();
+            state.metrics.workers.resync_requests.with_label_values(&["worker"]).inc();
             let payload = ResyncRequest { worker_id: w.worker_id, dp_rank: w.dp_rank }.encode();
             let subject = format!("{}.resync.{}", state.cfg.prefix, w.worker_id);
             let (client, state) = (client.clone(), state.clone());
             tokio::spawn(async move {
                 let answer = tokio::time::timeout(Duration::from_secs(2), client.request(subject, payload.into())).await;
                 if !matches!(answer, Ok(Ok(_))) {
-                    state.metrics.resync_unanswered.inc();
+                    state.metrics.workers.resync_unanswered.inc();
                     state.log.warn("resync_unanswered", || {
                         format!("worker {w} did not answer resync request {attempt}; asking again with backoff")
                     });
@@ -193,7 +193,7 @@ pub(super) async fn ttl_loop<I: KvIndex>(state: Arc<State>, pool: Arc<ApplyPool<
             state
                 .log
                 .warn("worker_expired", || format!("worker {w} silent past its TTL ({} s); dropping its blocks", ttl.as_secs()));
-            state.metrics.workers_expired.inc();
+            state.metrics.workers.workers_expired.inc();
             state.stale.clear(w);
             let mut gone = state.expired.lock();
             if gone.len() == EXPIRED_KEPT {

@@ -24,7 +24,7 @@ pub(super) fn announced_hook(state: &Arc<State>) -> OnAnnounced {
     let state = state.clone();
     Arc::new(move |worker: WorkerId, routed_only, out, no_slot| {
         let mode = if routed_only { "routed_only" } else { "predicted" };
-        let blocks = &state.metrics.announced_blocks;
+        let blocks = &state.metrics.lookups.announced_blocks;
         for (change, n) in [("added", out.added), ("evicted", out.evicted), ("expired", out.expired), ("refused", out.refused)] {
             if n > 0 {
                 blocks.with_label_values(&[mode, change]).inc_by(n);
@@ -66,7 +66,7 @@ pub(super) async fn routed_loop<I: KvIndex>(client: Client, state: Arc<State>, p
             },
             _ = tick.tick() => {
                 pool.expire_announced();
-                state.metrics.predicted_blocks.set(pool.model().predicted_blocks() as i64);
+                state.metrics.lookups.predicted_blocks.set(pool.model().predicted_blocks() as i64);
             }
         }
     }
@@ -74,7 +74,7 @@ pub(super) async fn routed_loop<I: KvIndex>(client: Client, state: Arc<State>, p
 
 /// Checks one announcement and queues it on its worker's apply thread.
 fn take<I: KvIndex>(client: &Client, state: &Arc<State>, pool: &Arc<ApplyPool<I>>, msg: async_nats::Message) {
-    let counted = |result: &str| state.metrics.announcements.with_label_values(&[result]).inc();
+    let counted = |result: &str| state.metrics.lookups.announcements.with_label_values(&[result]).inc();
     let routed = match Routed::decode(&msg.payload) {
         Ok(r) if r.dp_rank < state.cfg.max_dp_ranks => r,
         Ok(r) => {

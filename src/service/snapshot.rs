@@ -190,8 +190,8 @@ pub(super) async fn restore<I: KvIndex>(
     let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
     let took = began.elapsed().as_secs_f64();
     let m = &state.metrics;
-    m.snapshot_restore_seconds.set(took);
-    m.snapshot_bytes.set(bytes as i64);
+    m.durable.snapshot_restore_seconds.set(took);
+    m.durable.snapshot_bytes.set(bytes as i64);
     state.durable.snapshot_written.store(written_ns, Ordering::Relaxed);
     tracing::info!(
         stream_seq = snap.stream_seq,
@@ -217,7 +217,7 @@ pub(super) async fn snapshot_loop(js: jetstream::Context, state: Arc<State>, cut
     loop {
         tick.tick().await;
         let held = lease.hold(&js, &state, &me).await;
-        state.metrics.snapshot_lease.set(held as i64);
+        state.metrics.durable.snapshot_lease.set(held as i64);
         let seq = state.durable.stream_seq.load(Ordering::Relaxed);
         let by_time = cfg.snapshot_interval > 0 && last.0.elapsed() >= Duration::from_secs(cfg.snapshot_interval);
         let by_count = cfg.snapshot_events > 0 && seq.saturating_sub(last.1) >= cfg.snapshot_events;
@@ -229,7 +229,7 @@ pub(super) async fn snapshot_loop(js: jetstream::Context, state: Arc<State>, cut
             Ok(Some(seq)) => last = (Instant::now(), seq),
             Ok(None) => return,
             Err(e) => {
-                state.metrics.snapshot_writes.with_label_values(&["error"]).inc();
+                state.metrics.durable.snapshot_writes.with_label_values(&["error"]).inc();
                 state.log.warn("snapshot_write", || format!("writing a snapshot failed: {e:#}"));
                 last.0 = Instant::now();
             }
@@ -324,9 +324,9 @@ async fn write(js: &jetstream::Context, state: &Arc<State>, cuts: &mpsc::Sender<
     }
     let took = began.elapsed().as_secs_f64();
     let m = &state.metrics;
-    m.snapshot_writes.with_label_values(&["ok"]).inc();
-    m.snapshot_write_seconds.set(took);
-    m.snapshot_bytes.set(bytes.len() as i64);
+    m.durable.snapshot_writes.with_label_values(&["ok"]).inc();
+    m.durable.snapshot_write_seconds.set(took);
+    m.durable.snapshot_bytes.set(bytes.len() as i64);
     state.durable.snapshot_written.store(super::now_ns(), Ordering::Relaxed);
     tracing::info!(snapshot = %name, bytes = bytes.len(), seconds = took, "wrote an index snapshot");
     Ok(Some(stream_seq))

@@ -81,7 +81,7 @@ impl Stale {
             dashmap::mapref::entry::Entry::Vacant(v) => {
                 let asked = asked.then(Instant::now);
                 v.insert(Resync { asked, attempts: asked.is_some() as u32, generation, reason, since: Instant::now() });
-                self.metrics.stale_workers.inc();
+                self.metrics.workers.stale_workers.inc();
                 true
             }
             dashmap::mapref::entry::Entry::Occupied(mut o) => {
@@ -97,7 +97,7 @@ impl Stale {
     pub(super) fn clear_if(&self, w: WorkerId, generation: u64) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         if self.workers.remove_if(&w, |_, r| r.generation == generation).is_some() {
-            self.metrics.stale_workers.dec();
+            self.metrics.workers.stale_workers.dec();
         }
     }
 
@@ -105,7 +105,7 @@ impl Stale {
     pub(super) fn clear(&self, w: WorkerId) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         if self.workers.remove(&w).is_some() {
-            self.metrics.stale_workers.dec();
+            self.metrics.workers.stale_workers.dec();
         }
     }
 

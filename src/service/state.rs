@@ -104,7 +104,7 @@ impl State {
 
     /// Counts a refused input under `reason` and logs it at a bounded rate.
     pub(super) fn fail(&self, reason: &'static str, detail: impl FnOnce() -> String) {
-        self.metrics.decode_failures.with_label_values(&[reason]).inc();
+        self.metrics.ingest.decode_failures.with_label_values(&[reason]).inc();
         self.log.warn(reason, detail);
     }
 }

@@ -80,7 +80,7 @@ pub(super) async fn event_source<I: KvIndex>(
     }
     let (messages, _) = ordered_from(&js, state, deliver_policy).await?;
     tracing::info!(stream = %name, messages = held, "reading events from JetStream; replaying what the stream keeps");
-    state.metrics.stream_pending.set(held as i64);
+    state.metrics.durable.stream_pending.set(held as i64);
     if held == 0 {
         state.health.caught_up.done_now();
     }
@@ -153,7 +153,7 @@ async fn stream_end(stream: &async_nats::jetstream::stream::Stream, last_sequenc
 /// JetStream: the replay is done once the stream has nothing more pending for this replica
 /// and what was handed to the apply threads is applied.
 pub(super) fn replay_progress<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, pending: u64) {
-    state.metrics.stream_pending.set(pending as i64);
+    state.metrics.durable.stream_pending.set(pending as i64);
     let Some(round) = state.health.caught_up.reached(state.durable.stream_seq.load(Ordering::Relaxed), pending) else {
         return;
     };
@@ -180,7 +180,7 @@ pub(super) async fn reopen<I: KvIndex>(
     match reopened.unwrap_or_else(|_| Err(anyhow::anyhow!("timed out"))) {
         Ok((fresh, last)) => {
             state.health.caught_up.aim_at(last);
-            state.metrics.stream_consumer_restarts.inc();
+            state.metrics.durable.stream_consumer_restarts.inc();
             tracing::info!(from, last, "reading the stream through a new consumer");
             if last < from {
                 // Nothing to deliver: caught up once what is queued is applied.
@@ -221,7 +221,7 @@ pub(super) async fn stream_watch(js: async_nats::jetstream::Context, state: Arc<
         let seen = state.durable.stream_seq.load(Ordering::Relaxed);
         match tokio::time::timeout(Duration::from_secs(2), info).await {
             Ok(Ok(last)) => {
-                state.metrics.stream_pending.set(last.saturating_sub(seen) as i64);
+                state.metrics.durable.stream_pending.set(last.saturating_sub(seen) as i64);
                 // Catching up after a loss: now the end to reach is known.
                 state.health.caught_up.aim_at_if_unknown(last);
                 // Behind, or waiting to be told it caught up (a reopen that failed, an idle

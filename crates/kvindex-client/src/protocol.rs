@@ -1083,32 +1083,6 @@ pub struct ShardOf {
     pub shards: u32,
 }
 
-/// A resync broadcast's payload in a sharded deployment: only the publishers of that shard's
-/// workers answer (a publisher that cannot read it answers anyway).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ResyncShard {
-    /// The shard asking.
-    pub shard: u32,
-    /// How many shards the deployment has.
-    pub shards: u32,
-}
-
-impl ResyncShard {
-    /// The msgpack bytes of the broadcast.
-    pub fn encode(&self) -> Vec<u8> {
-        rmp_serde::to_vec_named(self).unwrap_or_default()
-    }
-
-    /// Whether the publisher of `worker_id` should answer a broadcast with this payload: yes
-    /// unless it names a shard that does not own the worker.
-    pub fn answers(payload: &[u8], worker_id: u64) -> bool {
-        match rmp_serde::from_slice::<ResyncShard>(payload) {
-            Ok(s) if s.shards > 1 => crate::shards::partition(worker_id, s.shards) == s.shard,
-            _ => true,
-        }
-    }
-}
-
 /// A worker and rank, as named in a lookup answer's `stale_workers`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct WorkerRef {

@@ -23,8 +23,9 @@
 use crate::error::ClientError;
 use crate::protocol::{
     write_batch_header, write_cleared, write_group_removed, write_group_stored, write_removed, write_stored, BatchHeader,
-    ResyncAck, ResyncRequest, ResyncShard,
+    ResyncAck, ResyncRequest,
 };
+use crate::shards::ResyncShard;
 use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;

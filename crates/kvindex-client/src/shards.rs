@@ -10,6 +10,7 @@
 
 use crate::protocol::{MatchGroup, ShardOf, WorkerPair, WorkerRef};
 use kvindex_core::index::rotation;
+use serde::{Deserialize, Serialize};
 
 /// The shard (of `shards`) that owns `worker_id`: what the NATS server's `partition(S, 1)`
 /// gives for the worker's subject token (its id in decimal).
@@ -42,6 +43,32 @@ pub fn mappings(prefix: &str, shards: u32) -> [(String, String); 2] {
     let map =
         |what: &str| (format!("{prefix}.{what}.*"), format!("{prefix}.{what}.{{{{wildcard(1)}}}}.{{{{partition({shards},1)}}}}"));
     [map("events"), map("routed")]
+}
+
+/// A resync broadcast's payload in a sharded deployment: only the publishers of that shard's
+/// workers answer (a publisher that cannot read it answers anyway).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResyncShard {
+    /// The shard asking.
+    pub shard: u32,
+    /// How many shards the deployment has.
+    pub shards: u32,
+}
+
+impl ResyncShard {
+    /// The msgpack bytes of the broadcast.
+    pub fn encode(&self) -> Vec<u8> {
+        rmp_serde::to_vec_named(self).unwrap_or_default()
+    }
+
+    /// Whether the publisher of `worker_id` should answer a broadcast with this payload: yes
+    /// unless it names a shard that does not own the worker.
+    pub fn answers(payload: &[u8], worker_id: u64) -> bool {
+        match rmp_serde::from_slice::<ResyncShard>(payload) {
+            Ok(s) if s.shards > 1 => partition(worker_id, s.shards) == s.shard,
+            _ => true,
+        }
+    }
 }
 
 /// One shard's answer, as the merge takes it: its groups and stale workers.

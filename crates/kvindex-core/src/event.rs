@@ -1,8 +1,8 @@
 //! The one domain event type: what a worker's KV cache did. The wire decoder, the replay
 //! stream and the benchmarks each convert into it at their edge; the index applies it.
 
-use crate::groups::GroupKind;
 use crate::hash::{BlockHash, StoredBlock};
+use crate::hybrid::GroupKind;
 use crate::index::{ApplyOutcome, KvIndex};
 
 /// Where a block is cached. Lookups match `Device` blocks unless they ask for other tiers;
@@ -66,7 +66,7 @@ pub enum Event {
     /// beside the primary full-attention group), by engine hash: each is placed where the
     /// worker's primary group holds the same hash (see [`crate::groups`]).
     GroupStored {
-        /// The group, 1..=[`crate::groups::MAX_GROUP`] (0 is the primary group).
+        /// The group, 1..=[`crate::hybrid::MAX_GROUP`] (0 is the primary group).
         group: u8,
         /// What the group needs of a prefix.
         kind: GroupKind,
@@ -75,7 +75,7 @@ pub enum Event {
     },
     /// GPU blocks dropped from one of a hybrid model's other groups.
     GroupRemoved {
-        /// The group, 1..=[`crate::groups::MAX_GROUP`].
+        /// The group, 1..=[`crate::hybrid::MAX_GROUP`].
         group: u8,
         /// Engine hashes of the dropped blocks.
         hashes: Vec<BlockHash>,

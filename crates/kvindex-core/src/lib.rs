@@ -15,8 +15,10 @@
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`announced`]: placements a router announces, per worker, under an LRU bound and a TTL
 //!   (predictions beside the held blocks, and approximate mode for engines without events).
+//! - [`hybrid`]: hybrid models' rule: what a KV-cache group of each kind needs of a prefix,
+//!   and how deep all of a worker's groups can serve one.
 //! - [`groups`]: hybrid models' other KV-cache groups (sliding-window, state layers) beside
-//!   the primary one, and the rule for how deep all groups can serve a prefix.
+//!   the primary one, kept for lookups.
 //! - [`tiers`]: host and disk tiers, each with an index of its own beside the device index.
 //! - [`index`]: the [`KvIndex`] trait and its backends: [`RunIndex`] (the default),
 //!   [`PositionalIndex`] and the [`ReferenceIndex`] model the tests compare both against.
@@ -58,6 +60,7 @@ pub mod announced;
 pub mod event;
 pub mod groups;
 pub mod hash;
+pub mod hybrid;
 pub mod index;
 pub mod model;
 pub mod seeded;

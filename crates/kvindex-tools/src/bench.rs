@@ -147,169 +147,186 @@ struct RunAll<'a> {
 
 impl FnOnceIndex<Vec<BenchResult>> for RunAll<'_> {
     fn call<I: Answering>(self, make: impl Fn(usize) -> I) -> Vec<BenchResult> {
-        let (wl, cfg) = (self.wl, self.cfg);
-        let mut rows = Vec::new();
+        let cfg = self.cfg;
         let name = make(1).name().to_string();
         let row =
             |mode: &str, threads: String| BenchResult { backend: name.clone(), mode: mode.into(), threads, ..Default::default() };
-        let one = || "1".to_string();
-        let opts = MatchOptions { max_matches: cfg.max_matches, ..Default::default() };
-
-        let needs_state = cfg.modes.contains(&Mode::Sequential) || cfg.modes.contains(&Mode::EndState);
-        if needs_state {
-            let base = alloc::live_bytes();
-            alloc::reset_peak();
-            let index = make(1);
-            let mut writers = FxHashMap::default();
-            let mut lat = histogram();
-            let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} sequential"));
-            let start = Instant::now();
-            for (i, op) in wl.ops.iter().enumerate() {
-                match op {
-                    Op::Lookup(q) => {
-                        let t = Instant::now();
-                        std::hint::black_box(ask(&index, q, &opts));
-                        let _ = lat.record(t.elapsed().as_nanos() as u64);
-                    }
-                    Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
-                }
-                if i % 1024 == 0 {
-                    pb.set_position(i as u64);
-                }
-            }
-            // Writes' deferred work (a peer's queued events, the run index's retired memory)
-            // is part of the replay.
-            index.settle();
-            let secs = start.elapsed().as_secs_f64();
-            pb.finish_and_clear();
-            let placements = index.stats().placements;
-            let counting = alloc::is_counting();
-            let held = (alloc::live_bytes() - base).max(0) as usize;
-            let peak = (alloc::peak_bytes() - base).max(0) as usize;
+        let mut rows = Vec::new();
+        if cfg.modes.contains(&Mode::Sequential) || cfg.modes.contains(&Mode::EndState) {
+            let (index, _writers, sequential) = self.sequential(make(1), row("sequential", "1".into()));
             if cfg.modes.contains(&Mode::Sequential) {
-                rows.push(BenchResult {
-                    seconds: secs,
-                    block_ops: wl.block_ops(),
-                    block_ops_per_s: wl.block_ops() as f64 / secs,
-                    lookups: wl.lookups,
-                    lookups_per_s: wl.lookups as f64 / secs,
-                    lookup_p50_us: us(&lat, 0.5),
-                    lookup_p99_us: us(&lat, 0.99),
-                    lookup_p999_us: us(&lat, 0.999),
-                    placements,
-                    bytes_per_placement: (counting && placements > 0).then(|| held as f64 / placements as f64),
-                    peak_index_bytes: counting.then_some(peak as u64),
-                    ..row("sequential", one())
-                });
+                rows.push(sequential.clone());
             }
             if cfg.modes.contains(&Mode::EndState) {
-                let queries = wl.lookup_queries();
-                for q in &queries {
-                    std::hint::black_box(ask(&index, q, &opts));
-                }
-                let mut lat = histogram();
-                let mut blocks = 0u64;
-                let start = Instant::now();
-                for q in &queries {
+                rows.push(
+                    self.end_state(&index, BenchResult { placements: sequential.placements, ..row("end-state", "1".into()) }),
+                );
+            }
+        }
+        if cfg.modes.contains(&Mode::Events) {
+            rows.push(self.events(make(1), row("events", "1".into())));
+        }
+        if cfg.modes.contains(&Mode::Lookups) {
+            rows.push(self.lookups(make(1), row("lookups", "1".into())));
+        }
+        if cfg.modes.contains(&Mode::Concurrent) {
+            let threads = format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads);
+            rows.push(concurrent(make(cfg.apply_threads), self.wl, cfg, row("concurrent", threads)));
+        }
+        rows
+    }
+}
+
+impl RunAll<'_> {
+    /// The cut the lookups ask for (none: every match).
+    fn opts(&self) -> MatchOptions {
+        MatchOptions { max_matches: self.cfg.max_matches, ..Default::default() }
+    }
+
+    /// Every op in order on one thread, memory counted; the index and its writers as the replay
+    /// left them.
+    fn sequential<I: Answering>(&self, index: I, row: BenchResult) -> (I, FxHashMap<WorkerId, I::Writer>, BenchResult) {
+        let (wl, opts) = (self.wl, self.opts());
+        let base = alloc::live_bytes();
+        alloc::reset_peak();
+        let mut writers = FxHashMap::default();
+        let mut lat = histogram();
+        let pb = progress(self.cfg.progress, wl.ops.len() as u64, format!("{} sequential", row.backend));
+        let start = Instant::now();
+        for (i, op) in wl.ops.iter().enumerate() {
+            match op {
+                Op::Lookup(q) => {
                     let t = Instant::now();
                     std::hint::black_box(ask(&index, q, &opts));
                     let _ = lat.record(t.elapsed().as_nanos() as u64);
-                    blocks += q.len() as u64;
                 }
-                let secs = start.elapsed().as_secs_f64();
-                let all = MatchOptions::default();
-                let wrong = self.truth.map(|truth| {
-                    let right = |q: &[LocalHash], want: &[WorkerMatch]| {
-                        agrees(&index.find_matches(q, &opts), want, cfg.max_matches) && index.find_matches(q, &all) == want
-                    };
-                    queries.iter().zip(truth).filter(|(q, want)| !right(q, want)).count() as u64
-                });
-                rows.push(BenchResult {
-                    seconds: secs,
-                    block_ops: blocks,
-                    block_ops_per_s: blocks as f64 / secs,
-                    lookups: queries.len() as u64,
-                    lookups_per_s: queries.len() as f64 / secs,
-                    lookup_p50_us: us(&lat, 0.5),
-                    lookup_p99_us: us(&lat, 0.99),
-                    lookup_p999_us: us(&lat, 0.999),
-                    placements,
-                    wrong,
-                    ..row("end-state", one())
-                });
+                Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
+            }
+            if i % 1024 == 0 {
+                pb.set_position(i as u64);
             }
         }
+        // Writes' deferred work (a peer's queued events, the run index's retired memory) is
+        // part of the replay.
+        index.settle();
+        let secs = start.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        let placements = index.stats().placements;
+        let counting = alloc::is_counting();
+        let held = (alloc::live_bytes() - base).max(0) as usize;
+        let peak = (alloc::peak_bytes() - base).max(0) as usize;
+        let row = BenchResult {
+            seconds: secs,
+            block_ops: wl.block_ops(),
+            block_ops_per_s: wl.block_ops() as f64 / secs,
+            lookups: wl.lookups,
+            lookups_per_s: wl.lookups as f64 / secs,
+            lookup_p50_us: us(&lat, 0.5),
+            lookup_p99_us: us(&lat, 0.99),
+            lookup_p999_us: us(&lat, 0.999),
+            placements,
+            bytes_per_placement: (counting && placements > 0).then(|| held as f64 / placements as f64),
+            peak_index_bytes: counting.then_some(peak as u64),
+            ..row
+        };
+        (index, writers, row)
+    }
 
-        if cfg.modes.contains(&Mode::Events) {
-            let index = make(1);
-            let mut writers = FxHashMap::default();
-            let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} events"));
-            let start = Instant::now();
-            for (i, op) in wl.ops.iter().enumerate() {
-                if let Op::Event(w, ev) = op {
-                    apply_event(&index, &mut writers, *w, ev);
-                }
-                if i % 1024 == 0 {
-                    pb.set_position(i as u64);
-                }
+    /// Every lookup of the workload against the end state, one at a time (after a warm-up
+    /// pass), answers checked against the reference model's with `check`.
+    fn end_state<I: Answering>(&self, index: &I, row: BenchResult) -> BenchResult {
+        let (cfg, opts) = (self.cfg, self.opts());
+        let queries = self.wl.lookup_queries();
+        for q in &queries {
+            std::hint::black_box(ask(index, q, &opts));
+        }
+        let mut lat = histogram();
+        let mut blocks = 0u64;
+        let start = Instant::now();
+        for q in &queries {
+            let t = Instant::now();
+            std::hint::black_box(ask(index, q, &opts));
+            let _ = lat.record(t.elapsed().as_nanos() as u64);
+            blocks += q.len() as u64;
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let all = MatchOptions::default();
+        let wrong = self.truth.map(|truth| {
+            let right = |q: &[LocalHash], want: &[WorkerMatch]| {
+                agrees(&index.find_matches(q, &opts), want, cfg.max_matches) && index.find_matches(q, &all) == want
+            };
+            queries.iter().zip(truth).filter(|(q, want)| !right(q, want)).count() as u64
+        });
+        BenchResult {
+            seconds: secs,
+            block_ops: blocks,
+            block_ops_per_s: blocks as f64 / secs,
+            lookups: queries.len() as u64,
+            lookups_per_s: queries.len() as f64 / secs,
+            lookup_p50_us: us(&lat, 0.5),
+            lookup_p99_us: us(&lat, 0.99),
+            lookup_p999_us: us(&lat, 0.999),
+            wrong,
+            ..row
+        }
+    }
+
+    /// Only the events, on one thread.
+    fn events<I: Answering>(&self, index: I, row: BenchResult) -> BenchResult {
+        let wl = self.wl;
+        let mut writers = FxHashMap::default();
+        let pb = progress(self.cfg.progress, wl.ops.len() as u64, format!("{} events", row.backend));
+        let start = Instant::now();
+        for (i, op) in wl.ops.iter().enumerate() {
+            if let Op::Event(w, ev) = op {
+                apply_event(&index, &mut writers, *w, ev);
             }
-            index.settle();
-            let secs = start.elapsed().as_secs_f64();
-            pb.finish_and_clear();
-            let blocks = wl.stored_blocks + wl.removed_blocks;
-            rows.push(BenchResult {
-                seconds: secs,
-                block_ops: blocks,
-                block_ops_per_s: blocks as f64 / secs,
-                ..row("events", one())
-            });
-        }
-
-        if cfg.modes.contains(&Mode::Lookups) {
-            let index = make(1);
-            let mut writers = FxHashMap::default();
-            let mut lat = histogram();
-            let mut busy = Duration::ZERO;
-            let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} lookups"));
-            for (i, op) in wl.ops.iter().enumerate() {
-                match op {
-                    Op::Lookup(q) => {
-                        let t = Instant::now();
-                        std::hint::black_box(ask(&index, q, &opts));
-                        let d = t.elapsed();
-                        busy += d;
-                        let _ = lat.record(d.as_nanos() as u64);
-                    }
-                    Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
-                }
-                if i % 1024 == 0 {
-                    pb.set_position(i as u64);
-                }
+            if i % 1024 == 0 {
+                pb.set_position(i as u64);
             }
-            pb.finish_and_clear();
-            let secs = busy.as_secs_f64();
-            rows.push(BenchResult {
-                seconds: secs,
-                block_ops: wl.lookup_blocks,
-                block_ops_per_s: wl.lookup_blocks as f64 / secs,
-                lookups: wl.lookups,
-                lookups_per_s: wl.lookups as f64 / secs,
-                lookup_p50_us: us(&lat, 0.5),
-                lookup_p99_us: us(&lat, 0.99),
-                lookup_p999_us: us(&lat, 0.999),
-                ..row("lookups", one())
-            });
         }
+        index.settle();
+        let secs = start.elapsed().as_secs_f64();
+        pb.finish_and_clear();
+        let blocks = wl.stored_blocks + wl.removed_blocks;
+        BenchResult { seconds: secs, block_ops: blocks, block_ops_per_s: blocks as f64 / secs, ..row }
+    }
 
-        if cfg.modes.contains(&Mode::Concurrent) {
-            rows.push(concurrent(
-                make(cfg.apply_threads),
-                wl,
-                cfg,
-                row("concurrent", format!("{}a+{}l", cfg.apply_threads, cfg.lookup_threads)),
-            ));
+    /// Only the lookups timed, the events applied untimed in between.
+    fn lookups<I: Answering>(&self, index: I, row: BenchResult) -> BenchResult {
+        let (wl, opts) = (self.wl, self.opts());
+        let mut writers = FxHashMap::default();
+        let mut lat = histogram();
+        let mut busy = Duration::ZERO;
+        let pb = progress(self.cfg.progress, wl.ops.len() as u64, format!("{} lookups", row.backend));
+        for (i, op) in wl.ops.iter().enumerate() {
+            match op {
+                Op::Lookup(q) => {
+                    let t = Instant::now();
+                    std::hint::black_box(ask(&index, q, &opts));
+                    let d = t.elapsed();
+                    busy += d;
+                    let _ = lat.record(d.as_nanos() as u64);
+                }
+                Op::Event(w, ev) => apply_event(&index, &mut writers, *w, ev),
+            }
+            if i % 1024 == 0 {
+                pb.set_position(i as u64);
+            }
         }
-        rows
+        pb.finish_and_clear();
+        let secs = busy.as_secs_f64();
+        BenchResult {
+            seconds: secs,
+            block_ops: wl.lookup_blocks,
+            block_ops_per_s: wl.lookup_blocks as f64 / secs,
+            lookups: wl.lookups,
+            lookups_per_s: wl.lookups as f64 / secs,
+            lookup_p50_us: us(&lat, 0.5),
+            lookup_p99_us: us(&lat, 0.99),
+            lookup_p999_us: us(&lat, 0.999),
+            ..row
+        }
     }
 }
 

@@ -36,6 +36,8 @@ enum Command {
     /// Measure sharding by worker: S shards and one daemon, each a process, on the same
     /// stream (apply CPU and memory per process, merged lookups against one daemon's).
     ShardBench(ShardBenchArgs),
+    /// Print the configuration reference (docs/CONFIGURATION.md), generated from the code.
+    ConfigReference,
 }
 
 /// Parses the command line and runs the tool it names.
@@ -53,6 +55,10 @@ pub fn main() -> Result<()> {
         Command::Demo(a) => demo_cmd(a),
         Command::Gen(a) => gen_cmd(a),
         Command::ShardBench(a) => shard_bench_cmd(a),
+        Command::ConfigReference => {
+            print!("{}", crate::config_reference::markdown());
+            Ok(())
+        }
         Command::BridgeBench(a) => {
             let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
             let r = rt.block_on(crate::bridge_bench::run(a.batches, a.events, a.blocks, a.rate))?;

@@ -42,9 +42,11 @@ pub struct DemoReport {
     pub burst: Option<crate::burst::BurstReport>,
 }
 
-/// The daemon's figures between two scrapes of `/metrics`, for the live view.
+/// A scrape of the daemons' `/metrics`, for the live view's rates.
 struct Scrape {
+    /// When it was read.
     at: Instant,
+    /// The metrics' text.
     text: String,
 }
 
@@ -111,6 +113,182 @@ fn panel(
     lines
 }
 
+/// Where the demo runs: NATS (ours unless given; sharded, ours with the shards' mapping) and
+/// kvindex (ours unless given: one daemon per shard).
+struct Deployment {
+    /// Our own `nats-server`, stopped on drop.
+    _nats: Option<NatsProcess>,
+    /// NATS's URL.
+    url: String,
+    /// Our own daemons, one per shard (none: a kvindex already running was given).
+    daemons: Vec<Daemon>,
+    /// Every kvindex's `/metrics` address.
+    metrics_addrs: Vec<String>,
+}
+
+impl Deployment {
+    async fn start(cfg: &DemoConfig) -> Result<Deployment> {
+        let (nats, url) = if cfg.shards > 1 {
+            let server = NatsProcess::start_sharded(&cfg.prefix, cfg.shards)?;
+            let url = server.url();
+            (Some(server), url)
+        } else {
+            nats_or_own(cfg.nats_url.as_deref())?
+        };
+        if let Some(addr) = &cfg.kvindex_metrics {
+            let addr = addr.trim_start_matches("http://").trim_end_matches('/').to_string();
+            return Ok(Deployment { _nats: nats, url, daemons: Vec::new(), metrics_addrs: vec![addr] });
+        }
+        let mut daemons = Vec::new();
+        for shard in 0..cfg.shards {
+            let daemon_cfg = Config {
+                prefix: cfg.prefix.clone(),
+                shards: cfg.shards,
+                shard,
+                metrics_addr: format!("127.0.0.1:{}", free_port()?),
+                inspect_addr: format!("127.0.0.1:{}", free_port()?),
+                routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
+                routed_only_capacity: cfg.capacity as u64,
+                ..Config::with_nats_url(url.clone())
+            };
+            daemons.push(Daemon::start(daemon_cfg).await.context("starting kvindex serve")?);
+        }
+        let metrics_addrs = daemons.iter().map(|d| d.cfg.metrics_addr.clone()).collect();
+        Ok(Deployment { _nats: nats, url, daemons, metrics_addrs })
+    }
+
+    /// Every shard's metrics, as one text: counters add up across shards.
+    async fn scrape(&self) -> Scrape {
+        let mut text = String::new();
+        for addr in &self.metrics_addrs {
+            text += &http_body(addr, "/metrics").await;
+        }
+        Scrape { at: Instant::now(), text }
+    }
+}
+
+/// The router and the fleets it routes for, with what it measured.
+struct Routing {
+    /// The event-fed fleet's engines' publishers, by worker.
+    publishers: Vec<Publisher>,
+    /// kvindex, asked and told.
+    router: LookupClient,
+    /// Every fleet, routed its own way.
+    fleets: Vec<Fleet>,
+    /// The event-fed fleet's worker ids.
+    event_fed: Vec<u64>,
+    /// The approximate fleet's (routed-only) worker ids, when kvindex is ours.
+    routed_only: Option<Vec<u64>>,
+    /// Lookup round trips, ns.
+    rtt: Histogram<u64>,
+    /// Lookups that failed.
+    lookup_errors: u64,
+}
+
+impl Routing {
+    async fn start(cfg: &DemoConfig, at: &Deployment, nats: &async_nats::Client) -> Result<Routing> {
+        let mut publishers = Vec::with_capacity(cfg.workers as usize);
+        for w in 0..cfg.workers {
+            publishers.push(Publisher::start(nats.clone(), PublisherConfig::new(&cfg.prefix, w, 0)).await?);
+        }
+        let router = LookupClient::new(async_nats::connect(&at.url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
+        // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
+        let own = !at.daemons.is_empty();
+        let fleets = [Policy::KvAware, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
+            .into_iter()
+            .filter(|&p| own || p != Policy::Approximate)
+            .map(|p| Fleet::new(p, cfg.workers as usize, cfg.seed))
+            .collect();
+        Ok(Routing {
+            publishers,
+            router,
+            fleets,
+            event_fed: (0..cfg.workers).collect(),
+            routed_only: own.then(|| (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect()),
+            rtt: Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?,
+            lookup_errors: 0,
+        })
+    }
+
+    /// The event-fed fleet's depths for `hashes`: kvindex's answer (no answer: none).
+    async fn depths(&mut self, hashes: &[LocalHash], workers: u64) -> HashMap<usize, u64> {
+        let t = Instant::now();
+        match self.router.lookup(&Query::hashes(hashes).only_workers(&self.event_fed)).await {
+            Ok(answer) => {
+                let _ = self.rtt.record(t.elapsed().as_nanos() as u64);
+                answer
+                    .matches
+                    .iter()
+                    .filter(|m| m.worker_id < workers && !m.stale)
+                    .map(|m| (m.worker_id as usize, m.blocks as u64))
+                    .collect()
+            }
+            Err(e) => {
+                self.lookup_errors += 1;
+                if self.lookup_errors == 1 {
+                    tracing::warn!("lookup failed ({e}); routing by load alone until kvindex answers");
+                }
+                HashMap::new()
+            }
+        }
+    }
+
+    /// Routes one request in every fleet; the event-fed fleet's chosen engine reports what its
+    /// cache did, the approximate fleet's router announces its choice.
+    async fn route(&mut self, req: &TraceRequest, now_ms: u64, cfg: &DemoConfig) {
+        let locals = request_locals(req, cfg.factor);
+        let engine = chain_hashes(&locals);
+        let hashes: Vec<LocalHash> = locals.iter().map(|&l| LocalHash(l)).collect();
+        let depths = self.depths(&hashes, cfg.workers).await;
+        let approximate = match &self.routed_only {
+            Some(ids) => routed_depths(&self.router, &hashes, ids).await,
+            None => HashMap::new(),
+        };
+        for fleet in self.fleets.iter_mut() {
+            fleet.expire(now_ms);
+            let asked = if fleet.policy == Policy::Approximate { &approximate } else { &depths };
+            let w = fleet.choose(&engine, asked, cfg.load_weight);
+            let served = fleet.serve(w, req, &engine, cfg, now_ms);
+            match fleet.policy {
+                Policy::Approximate => {
+                    // No events: the router's word is all kvindex has (waited for, so the next
+                    // request's answer includes it).
+                    let to = APPROXIMATE_BASE + w as u64;
+                    if let Err(e) = self.router.announce_applied(&Query::hashes(&hashes), to, 0).await {
+                        tracing::warn!("announcement failed: {e}");
+                    }
+                }
+                Policy::KvAware => report_cache(&self.publishers[w], &served, &engine, &locals).await,
+                _ => {}
+            }
+        }
+    }
+}
+
+/// The chosen engine reports what its cache did: evictions, then the new blocks.
+async fn report_cache(p: &Publisher, served: &crate::trace::Served, engine: &[u64], locals: &[u64]) {
+    p.wait_for_room().await;
+    if !served.evicted.is_empty() {
+        let gone: Vec<BlockHash> = served.evicted.iter().map(|&b| BlockHash(b)).collect();
+        p.removed(&gone);
+    }
+    if served.hit < engine.len() {
+        let parent = served.hit.checked_sub(1).map(|i| BlockHash(engine[i]));
+        let blocks: Vec<StoredBlock> = (served.hit..engine.len()).map(|i| StoredBlock::new(engine[i], locals[i])).collect();
+        p.stored(parent, &blocks);
+    }
+}
+
+/// The live view's state: the last scrape, and what is drawn.
+struct View {
+    /// The previous scrape, for rates.
+    prev: Scrape,
+    /// Panel lines on screen.
+    drawn: usize,
+    /// When the last log line went out.
+    last_line: Instant,
+}
+
 /// Runs the demo over `trace` until it ends (or forever with `repeat`), or until `stop`
 /// resolves; then reports.
 pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::future::Future<Output = ()>) -> Result<DemoReport> {
@@ -121,71 +299,17 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         "--shards runs a NATS server and kvindex shards of its own: leave out --nats-url and --kvindex"
     );
     anyhow::ensure!(cfg.shards >= 1, "shards: at least 1");
-    let (_nats, url) = if cfg.shards > 1 {
-        let server = NatsProcess::start_sharded(&cfg.prefix, cfg.shards)?;
-        let url = server.url();
-        (Some(server), url)
-    } else {
-        nats_or_own(cfg.nats_url.as_deref())?
-    };
-    let (daemons, metrics_addrs) = match &cfg.kvindex_metrics {
-        Some(addr) => (Vec::new(), vec![addr.trim_start_matches("http://").trim_end_matches('/').to_string()]),
-        None => {
-            let mut daemons = Vec::new();
-            for shard in 0..cfg.shards {
-                let daemon_cfg = Config {
-                    prefix: cfg.prefix.clone(),
-                    shards: cfg.shards,
-                    shard,
-                    metrics_addr: format!("127.0.0.1:{}", free_port()?),
-                    inspect_addr: format!("127.0.0.1:{}", free_port()?),
-                    routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
-                    routed_only_capacity: cfg.capacity as u64,
-                    ..Config::with_nats_url(url.clone())
-                };
-                daemons.push(Daemon::start(daemon_cfg).await.context("starting kvindex serve")?);
-            }
-            let addrs = daemons.iter().map(|d| d.cfg.metrics_addr.clone()).collect();
-            (daemons, addrs)
-        }
-    };
-    // Every shard's metrics, as one text: counters add up across shards.
-    let scrape = || async {
-        let mut text = String::new();
-        for addr in &metrics_addrs {
-            text += &http_body(addr, "/metrics").await;
-        }
-        text
-    };
-    let nats = async_nats::connect(&url).await.with_context(|| format!("connecting to NATS at {url}"))?;
-    let workers = cfg.workers as usize;
-    let mut publishers = Vec::with_capacity(workers);
-    for w in 0..cfg.workers {
-        publishers.push(Publisher::start(nats.clone(), PublisherConfig::new(&cfg.prefix, w, 0)).await?);
-    }
-    let router = LookupClient::new(async_nats::connect(&url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
-    // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
-    let own = !daemons.is_empty();
-    let mut fleets: Vec<Fleet> = [Policy::KvAware, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
-        .into_iter()
-        .filter(|&p| own || p != Policy::Approximate)
-        .map(|p| Fleet::new(p, workers, cfg.seed))
-        .collect();
-    let event_fed: Vec<u64> = (0..cfg.workers).collect();
-    let routed_only: Vec<u64> = (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect();
-    let mut rtt = Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?;
-    let mut lookup_errors = 0u64;
+    let at = Deployment::start(cfg).await?;
+    let nats = async_nats::connect(&at.url).await.with_context(|| format!("connecting to NATS at {}", at.url))?;
+    let mut routing = Routing::start(cfg, &at, &nats).await?;
     let span_ms = trace.last().map_or(0, |r| r.timestamp) + 3_000;
     let total = (!cfg.repeat).then_some(trace.len() as u64);
     let started = Instant::now();
-    let mut prev = Scrape { at: Instant::now(), text: scrape().await };
-    let mut last_line = Instant::now();
-    let mut panel_lines = 0usize;
+    let mut view = View { prev: at.scrape().await, drawn: 0, last_line: Instant::now() };
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
     tokio::pin!(stop);
-    let mut done = 0u64;
-    let mut interrupted = false;
+    let (mut done, mut interrupted) = (0u64, false);
     'passes: for pass in 0u64.. {
         for req in trace {
             let now_ms = req.timestamp + pass * span_ms;
@@ -202,89 +326,39 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
                     _ = &mut stop => { interrupted = true; break 'passes; }
                     _ = tick.tick() => {
                         if cfg.live == Live::Off { continue; }
-                        let now = Scrape { at: Instant::now(), text: scrape().await };
-                        let lines = panel(&prev, &now, &fleets, &rtt, done, total, started);
-                        show(cfg.live, &lines, &mut panel_lines, &mut last_line);
-                        prev = now;
+                        let now = at.scrape().await;
+                        let lines = panel(&view.prev, &now, &routing.fleets, &routing.rtt, done, total, started);
+                        show(cfg.live, &lines, &mut view.drawn, &mut view.last_line);
+                        view.prev = now;
                     }
                     _ = wait => break,
                 }
             }
-            let locals = request_locals(req, cfg.factor);
-            let engine = chain_hashes(&locals);
-            let hashes: Vec<LocalHash> = locals.iter().map(|&l| LocalHash(l)).collect();
-            let t = Instant::now();
-            let depths: HashMap<usize, u64> = match router.lookup(&Query::hashes(&hashes).only_workers(&event_fed)).await {
-                Ok(answer) => {
-                    let _ = rtt.record(t.elapsed().as_nanos() as u64);
-                    answer
-                        .matches
-                        .iter()
-                        .filter(|m| m.worker_id < cfg.workers && !m.stale)
-                        .map(|m| (m.worker_id as usize, m.blocks as u64))
-                        .collect()
-                }
-                Err(e) => {
-                    lookup_errors += 1;
-                    if lookup_errors == 1 {
-                        tracing::warn!("lookup failed ({e}); routing by load alone until kvindex answers");
-                    }
-                    HashMap::new()
-                }
-            };
-            let approximate = if own { routed_depths(&router, &hashes, &routed_only).await } else { HashMap::new() };
-            for fleet in fleets.iter_mut() {
-                fleet.expire(now_ms);
-                let asked = if fleet.policy == Policy::Approximate { &approximate } else { &depths };
-                let w = fleet.choose(&engine, asked, cfg.load_weight);
-                let served = fleet.serve(w, req, &engine, cfg, now_ms);
-                if fleet.policy == Policy::Approximate {
-                    // No events: the router's word is all kvindex has (waited for, so the next
-                    // request's answer includes it).
-                    if let Err(e) = router.announce_applied(&Query::hashes(&hashes), APPROXIMATE_BASE + w as u64, 0).await {
-                        tracing::warn!("announcement failed: {e}");
-                    }
-                    continue;
-                }
-                if fleet.policy != Policy::KvAware {
-                    continue;
-                }
-                // The chosen engine reports what its cache did: evictions, then the new blocks.
-                let p = &publishers[w];
-                p.wait_for_room().await;
-                if !served.evicted.is_empty() {
-                    let gone: Vec<BlockHash> = served.evicted.iter().map(|&b| BlockHash(b)).collect();
-                    p.removed(&gone);
-                }
-                if served.hit < engine.len() {
-                    let parent = served.hit.checked_sub(1).map(|i| BlockHash(engine[i]));
-                    let blocks: Vec<StoredBlock> =
-                        (served.hit..engine.len()).map(|i| StoredBlock::new(engine[i], locals[i])).collect();
-                    p.stored(parent, &blocks);
-                }
-            }
+            routing.route(req, now_ms, cfg).await;
             done += 1;
         }
         if !cfg.repeat {
             break;
         }
     }
-    if panel_lines > 0 {
+    if view.drawn > 0 {
         println!();
     }
-    for p in &publishers {
+    for p in &routing.publishers {
         p.flush().await;
     }
-    let burst = if cfg.burst && !interrupted && !cfg.repeat { Some(crate::burst::run(&nats, &router, cfg).await?) } else { None };
-    for d in daemons {
+    let burst =
+        if cfg.burst && !interrupted && !cfg.repeat { Some(crate::burst::run(&nats, &routing.router, cfg).await?) } else { None };
+    for d in at.daemons {
         d.stop().await?;
     }
+    let rtt = &routing.rtt;
     Ok(DemoReport {
         requests: done,
         seconds: started.elapsed().as_secs_f64(),
-        fleets: fleets.iter().map(Fleet::report).collect(),
+        fleets: routing.fleets.iter().map(Fleet::report).collect(),
         lookups: rtt.len(),
-        lookup_errors,
+        lookup_errors: routing.lookup_errors,
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
         interrupted,

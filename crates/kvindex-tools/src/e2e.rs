@@ -12,7 +12,6 @@ use kvindex::config::{Config, Ingest};
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::{LookupClient, Query};
 use kvindex_core::hash::WorkerId;
-use kvindex_core::Event;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -85,112 +84,161 @@ fn bucket_quantile(text: &str, series: &str, q: f64) -> f64 {
     quantile(&buckets(text, series), q)
 }
 
-/// Runs the whole system once and reports.
-pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
-    let store = std::env::temp_dir().join(format!("kvindex-e2e-js-{}", std::process::id()));
-    let (_nats, url) = match (&cfg.nats_url, cfg.jetstream) {
-        (None, true) => {
+/// Where a run's daemons are: the NATS server (ours, unless given) and the subject prefix.
+struct Site {
+    /// Our own `nats-server`, stopped on drop (`None`: the run uses the one given).
+    nats: Option<crate::harness::NatsProcess>,
+    /// Durable mode's JetStream store of our own server, removed at the end.
+    store: Option<std::path::PathBuf>,
+    /// NATS's URL.
+    url: String,
+    /// The run's subject prefix.
+    prefix: String,
+}
+
+impl Site {
+    /// NATS as `cfg` says (with JetStream when durable and ours), and a prefix of this run's.
+    fn open(cfg: &E2eConfig) -> Result<Site> {
+        let prefix = format!("e2e{}", std::process::id());
+        if let (None, true) = (&cfg.nats_url, cfg.jetstream) {
+            let store = std::env::temp_dir().join(format!("kvindex-e2e-js-{}", std::process::id()));
             let dir = store.to_str().context("temp dir is not UTF-8")?;
             let server = crate::harness::NatsProcess::start_with(free_port()?, &["-js", "-sd", dir], &[])?;
             let url = server.url();
-            (Some(server), url)
+            return Ok(Site { nats: Some(server), store: Some(store), url, prefix });
         }
-        _ => nats_or_own(cfg.nats_url.as_deref())?,
-    };
-    let prefix = format!("e2e{}", std::process::id());
-    let daemon_cfg = || -> Result<Config> {
+        let (nats, url) = nats_or_own(cfg.nats_url.as_deref())?;
+        Ok(Site { nats, store: None, url, prefix })
+    }
+
+    /// A daemon's configuration on this site, on fresh ports.
+    fn daemon_cfg(&self, cfg: &E2eConfig) -> Result<Config> {
         Ok(Config {
-            prefix: prefix.clone(),
+            prefix: self.prefix.clone(),
             metrics_addr: format!("127.0.0.1:{}", free_port()?),
             inspect_addr: format!("127.0.0.1:{}", free_port()?),
             apply_threads: cfg.apply_threads,
             worker_ttl: 0,
             ingest: if cfg.jetstream { Ingest::Jetstream } else { Ingest::Core },
             snapshot_interval: 1,
-            ..Config::with_nats_url(url.clone())
+            ..Config::with_nats_url(self.url.clone())
         })
-    };
-    let daemon = Daemon::start(daemon_cfg()?).await?;
-    let metrics_addr = daemon.cfg.metrics_addr.clone();
+    }
+}
 
-    // The engines: one publisher per worker, as beside each engine.
-    let client = async_nats::connect(&url).await.context("publisher connecting to NATS")?;
+impl Drop for Site {
+    fn drop(&mut self) {
+        if let Some(store) = &self.store {
+            self.nats = None;
+            let _ = std::fs::remove_dir_all(store);
+        }
+    }
+}
+
+/// One publisher per worker of the workload, as beside each engine; and the blocks its events
+/// name in all.
+async fn start_publishers(
+    wl: &Workload,
+    client: &async_nats::Client,
+    prefix: &str,
+) -> Result<(HashMap<WorkerId, Publisher>, u64)> {
     let mut publishers: HashMap<WorkerId, Publisher> = HashMap::new();
     let mut total_blocks = 0u64;
     for op in &wl.ops {
         let Op::Event(w, ev) = op else { continue };
         total_blocks += ev.blocks() as u64;
-        if !publishers.contains_key(w) {
-            let p = Publisher::start(client.clone(), PublisherConfig::new(&prefix, w.worker_id, w.dp_rank)).await?;
-            publishers.insert(*w, p);
+        if let std::collections::hash_map::Entry::Vacant(slot) = publishers.entry(*w) {
+            slot.insert(Publisher::start(client.clone(), PublisherConfig::new(prefix, w.worker_id, w.dp_rank)).await?);
         }
     }
-    let queries: Arc<Vec<Query>> =
-        Arc::new(wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(Query::hashes(q)) } else { None }).collect());
+    Ok((publishers, total_blocks))
+}
 
-    // The router: lookups at a fixed rate, each in its own task, while events flow.
-    let done = Arc::new(AtomicBool::new(false));
-    let rtt = Arc::new(parking_lot::Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?));
-    let lookup_errors = Arc::new(AtomicU64::new(0));
-    // The router has its own connection and runtime, as a router process would: its round
-    // trips measure kvindex, not this process's publishers.
-    let router_rt =
-        tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("e2e-router").enable_all().build()?;
-    let connecting = url.clone();
-    let router_client =
-        router_rt.spawn(async move { async_nats::connect(connecting).await }).await?.context("router connecting to NATS")?;
-    // Paced by an OS thread (tokio's timer ticks in milliseconds, which would send lookups in
-    // bursts); each request runs as a task on the router's runtime.
-    let router = {
+/// The router: lookups at a fixed rate while events flow, on a connection and runtime of its
+/// own as a router process would have, so its round trips measure kvindex.
+struct Router {
+    /// Its runtime.
+    rt: tokio::runtime::Runtime,
+    /// The pacing thread (tokio's timer ticks in milliseconds, which would send lookups in
+    /// bursts); each request runs as a task on the runtime.
+    pacer: std::thread::JoinHandle<()>,
+    /// Tells the pacer to stop.
+    done: Arc<AtomicBool>,
+    /// Round trips, ns.
+    rtt: Arc<parking_lot::Mutex<Histogram<u64>>>,
+    /// Lookups that failed or could not be sent (512 in flight at most).
+    errors: Arc<AtomicU64>,
+}
+
+impl Router {
+    async fn start(site: &Site, queries: Arc<Vec<Query>>, rate: f64) -> Result<Router> {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).thread_name("e2e-router").enable_all().build()?;
+        let connecting = site.url.clone();
+        let client =
+            rt.spawn(async move { async_nats::connect(connecting).await }).await?.context("router connecting to NATS")?;
         // A generous timeout: this measures round trips, it does not route.
-        let lookups = LookupClient::new(router_client, &prefix).with_timeout(Duration::from_secs(10));
-        let (done, rtt, errors, queries) = (done.clone(), rtt.clone(), lookup_errors.clone(), queries.clone());
-        let every = Duration::from_secs_f64(1.0 / cfg.lookup_rate.max(1.0));
-        let handle = router_rt.handle().clone();
-        std::thread::spawn(move || {
+        let lookups = LookupClient::new(client, &site.prefix).with_timeout(Duration::from_secs(10));
+        let done = Arc::new(AtomicBool::new(false));
+        let rtt = Arc::new(parking_lot::Mutex::new(Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?));
+        let errors = Arc::new(AtomicU64::new(0));
+        let (stop, times, failed, handle) = (done.clone(), rtt.clone(), errors.clone(), rt.handle().clone());
+        let every = Duration::from_secs_f64(1.0 / rate.max(1.0));
+        let pacer = std::thread::spawn(move || {
             let limit = Arc::new(tokio::sync::Semaphore::new(512));
             let start = Instant::now();
             let mut i = 0u32;
-            while !done.load(Ordering::Relaxed) && !queries.is_empty() {
+            while !stop.load(Ordering::Relaxed) && !queries.is_empty() {
                 if let Some(wait) = (start + every * i).checked_duration_since(Instant::now()) {
                     std::thread::sleep(wait);
                 }
+                let n = i as usize % queries.len();
+                i += 1;
                 let Ok(permit) = limit.clone().try_acquire_owned() else {
-                    errors.fetch_add(1, Ordering::Relaxed);
-                    i += 1;
+                    failed.fetch_add(1, Ordering::Relaxed);
                     continue;
                 };
-                let n = i as usize % queries.len();
-                let (lookups, rtt, errors, queries) = (lookups.clone(), rtt.clone(), errors.clone(), queries.clone());
+                let (lookups, times, failed, queries) = (lookups.clone(), times.clone(), failed.clone(), queries.clone());
                 handle.spawn(async move {
                     let t = Instant::now();
                     match lookups.lookup(&queries[n]).await {
-                        Ok(_) => {
-                            let _ = rtt.lock().record(t.elapsed().as_nanos() as u64);
-                        }
-                        Err(_) => {
-                            errors.fetch_add(1, Ordering::Relaxed);
-                        }
+                        Ok(_) => drop(times.lock().record(t.elapsed().as_nanos() as u64)),
+                        Err(_) => drop(failed.fetch_add(1, Ordering::Relaxed)),
                     }
                     drop(permit);
                 });
-                i += 1;
             }
-        })
-    };
+        });
+        Ok(Router { rt, pacer, done, rtt, errors })
+    }
 
-    // The engines: every event batch on its worker's subject, paced to the offered rate.
-    let pb = if cfg.progress { indicatif::ProgressBar::new(total_blocks) } else { indicatif::ProgressBar::hidden() };
-    let start = Instant::now();
-    // The engines run on a thread of their own, as they would in their own processes, so
-    // their bursts do not hold up the runtime that serves lookups.
+    /// Stops issuing lookups, and then asks again one at a time with no ingest (the baseline).
+    async fn stop(self, site: &Site, queries: Arc<Vec<Query>>, rate: f64) -> Result<(Histogram<u64>, Histogram<u64>, u64)> {
+        self.done.store(true, Ordering::Relaxed);
+        let pacer = self.pacer;
+        let _ = tokio::task::spawn_blocking(move || pacer.join()).await;
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let idle = {
+            let (url, prefix) = (site.url.clone(), site.prefix.clone());
+            self.rt.spawn(async move { idle_round_trips(&url, &prefix, &queries, rate).await }).await??
+        };
+        self.rt.shutdown_background();
+        let rtt = self.rtt.lock().clone();
+        Ok((rtt, idle, self.errors.load(Ordering::Relaxed)))
+    }
+}
+
+/// Publishes every event on its worker's publisher, paced to `rate` blocks per second (0: as
+/// fast as NATS takes them), on this thread as engines would in their own processes, so their
+/// bursts do not hold up the runtime that serves lookups.
+fn replay_events(wl: &Workload, publishers: &HashMap<WorkerId, Publisher>, rate: f64, pb: &indicatif::ProgressBar) {
     let handle = tokio::runtime::Handle::current();
+    let start = Instant::now();
     tokio::task::block_in_place(|| {
         let mut sent = 0u64;
         for op in &wl.ops {
             let Op::Event(w, ev) = op else { continue };
-            if cfg.rate > 0.0 {
-                let due = start + Duration::from_secs_f64(sent as f64 / cfg.rate);
+            if rate > 0.0 {
+                let due = start + Duration::from_secs_f64(sent as f64 / rate);
                 if let Some(wait) = due.checked_duration_since(Instant::now()).filter(|w| *w > Duration::from_micros(200)) {
                     std::thread::sleep(wait);
                 }
@@ -198,113 +246,103 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
             let Some(p) = publishers.get(w) else { continue };
             // Wait for NATS rather than drop: this measures throughput, not loss.
             handle.block_on(p.wait_for_room());
-            match ev {
-                Event::Stored { parent, blocks, .. } => {
-                    p.stored(*parent, blocks);
-                    sent += blocks.len() as u64;
-                }
-                Event::Removed { hashes, .. } => {
-                    p.removed(hashes);
-                    sent += hashes.len() as u64;
-                }
-                Event::Cleared => p.cleared(),
-                Event::GroupStored { group, kind, hashes } => {
-                    p.group_stored(*group, *kind, hashes);
-                    sent += hashes.len() as u64;
-                }
-                Event::GroupRemoved { group, hashes } => {
-                    p.group_removed(*group, hashes);
-                    sent += hashes.len() as u64;
-                }
-            }
+            p.publish(ev);
+            sent += ev.blocks() as u64;
             if sent % 4096 < 64 {
                 pb.set_position(sent);
             }
         }
     });
-    for p in publishers.values() {
-        p.flush().await;
-    }
-    // Sustained rate: until the daemon has applied every block.
-    let applied_name = ("kvindex_blocks_applied_total{kind=\"stored\"}", "kvindex_blocks_applied_total{kind=\"removed\"}");
-    let text = loop {
-        let text = http_body(&metrics_addr, "/metrics").await;
-        if sample(&text, applied_name.0) + sample(&text, applied_name.1) >= total_blocks as f64 {
-            break text;
+}
+
+/// The daemon's metrics once it has applied `blocks` blocks (at most 10 minutes after `start`).
+async fn applied(metrics_addr: &str, blocks: u64, start: Instant) -> Result<String> {
+    let names = ("kvindex_blocks_applied_total{kind=\"stored\"}", "kvindex_blocks_applied_total{kind=\"removed\"}");
+    loop {
+        let text = http_body(metrics_addr, "/metrics").await;
+        if sample(&text, names.0) + sample(&text, names.1) >= blocks as f64 {
+            return Ok(text);
         }
         if start.elapsed() > Duration::from_secs(600) {
             bail!("the daemon did not apply every block within 10 minutes");
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    }
+}
+
+/// Durable mode: the next snapshot written after every block was applied: its write time (ms)
+/// and size.
+async fn full_snapshot(metrics_addr: &str) -> Result<(f64, u64)> {
+    let ok = "kvindex_snapshot_writes_total{result=\"ok\"}";
+    let before = sample(&http_body(metrics_addr, "/metrics").await, ok);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = http_body(metrics_addr, "/metrics").await;
+        if sample(&text, ok) > before {
+            return Ok((sample(&text, "kvindex_snapshot_write_seconds") * 1e3, sample(&text, "kvindex_snapshot_bytes") as u64));
+        }
+        if Instant::now() > deadline {
+            bail!("the daemon wrote no snapshot within a minute");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A new daemon started with `cfg`: how long until ready (ms), and the blocks it then holds.
+async fn restart(cfg: Config) -> Result<(f64, u64)> {
+    let restarted = Instant::now();
+    let daemon = Daemon::start(cfg).await?;
+    let ms = restarted.elapsed().as_secs_f64() * 1e3;
+    let blocks = sample(&http_body(&daemon.cfg.metrics_addr, "/metrics").await, "kvindex_index_blocks") as u64;
+    daemon.stop().await?;
+    Ok((ms, blocks))
+}
+
+/// Runs the whole system once and reports.
+pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
+    let site = Site::open(cfg)?;
+    let daemon = Daemon::start(site.daemon_cfg(cfg)?).await?;
+    let metrics_addr = daemon.cfg.metrics_addr.clone();
+    let client = async_nats::connect(&site.url).await.context("publisher connecting to NATS")?;
+    let (mut publishers, total_blocks) = start_publishers(wl, &client, &site.prefix).await?;
+    let queries: Arc<Vec<Query>> =
+        Arc::new(wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(Query::hashes(q)) } else { None }).collect());
+    let router = Router::start(&site, queries.clone(), cfg.lookup_rate).await?;
+    let pb = if cfg.progress { indicatif::ProgressBar::new(total_blocks) } else { indicatif::ProgressBar::hidden() };
+    let start = Instant::now();
+    replay_events(wl, &publishers, cfg.rate, &pb);
+    for p in publishers.values() {
+        p.flush().await;
+    }
+    let text = applied(&metrics_addr, total_blocks, start).await?;
     let seconds = start.elapsed().as_secs_f64();
     pb.finish_and_clear();
-    done.store(true, Ordering::Relaxed);
-    let _ = tokio::task::spawn_blocking(move || router.join()).await;
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let idle = {
-        let (url, prefix, queries, rate) = (url.clone(), prefix.clone(), queries.clone(), cfg.lookup_rate);
-        router_rt.spawn(async move { idle_round_trips(&url, &prefix, &queries, rate).await }).await??
-    };
-    router_rt.shutdown_background();
+    let (rtt, idle, lookup_errors) = router.stop(&site, queries, cfg.lookup_rate).await?;
     // The daemon's answer times over the idle lookups alone: its histogram since ingest ended.
     let idle_answers = {
         let (was, now) = (buckets(&text, ANSWER), buckets(&http_body(&metrics_addr, "/metrics").await, ANSWER));
         let delta: Vec<(f64, f64)> = now.iter().zip(&was).map(|(&(le, n), &(_, m))| (le, n - m)).collect();
         quantile(&delta, 0.99)
     };
-    let (mut snapshot_write_ms, mut snapshot_bytes) = (0.0, 0);
-    if cfg.jetstream {
-        // A snapshot that holds every block: the next one written after the last was applied.
-        let ok = "kvindex_snapshot_writes_total{result=\"ok\"}";
-        let before = sample(&http_body(&metrics_addr, "/metrics").await, ok);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let text = loop {
-            let text = http_body(&metrics_addr, "/metrics").await;
-            if sample(&text, ok) > before {
-                break text;
-            }
-            if Instant::now() > deadline {
-                bail!("the daemon wrote no snapshot within a minute");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
-        snapshot_write_ms = sample(&text, "kvindex_snapshot_write_seconds") * 1e3;
-        snapshot_bytes = sample(&text, "kvindex_snapshot_bytes") as u64;
-    }
+    let (snapshot_write_ms, snapshot_bytes) = if cfg.jetstream { full_snapshot(&metrics_addr).await? } else { (0.0, 0) };
     daemon.stop().await?;
-
     // A new, empty daemon: how long until it has rebuilt the index from the publishers (in
-    // durable mode: from the stream alone)?
+    // durable mode: from the stream alone, the publishers closed)?
     let engine_blocks = publishers.values().map(|p| p.len() as u64).sum();
     if cfg.jetstream {
         for (_, p) in publishers.drain() {
             p.close().await;
         }
     }
-    let restarted = Instant::now();
-    let daemon = Daemon::start(daemon_cfg()?).await?;
-    let rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
-    let rebuilt = http_body(&daemon.cfg.metrics_addr, "/metrics").await;
-    daemon.stop().await?;
+    let (rebuild_ms, rebuilt_blocks) = restart(site.daemon_cfg(cfg)?).await?;
     let (mut replay_rebuild_ms, mut replay_rebuilt_blocks) = (0.0, 0);
     if cfg.jetstream {
         // The same restart without snapshots: the whole stream is replayed.
         let js = async_nats::jetstream::new(client.clone());
-        let bucket = format!("{}_SNAPSHOTS", daemon_cfg()?.stream_name());
+        let bucket = format!("{}_SNAPSHOTS", site.daemon_cfg(cfg)?.stream_name());
         js.delete_object_store(&bucket).await.map_err(|e| anyhow::anyhow!("deleting {bucket}: {e}"))?;
-        let restarted = Instant::now();
-        let daemon = Daemon::start(Config { snapshot_interval: 0, ..daemon_cfg()? }).await?;
-        replay_rebuild_ms = restarted.elapsed().as_secs_f64() * 1e3;
-        replay_rebuilt_blocks = sample(&http_body(&daemon.cfg.metrics_addr, "/metrics").await, "kvindex_index_blocks") as u64;
-        daemon.stop().await?;
+        (replay_rebuild_ms, replay_rebuilt_blocks) = restart(Config { snapshot_interval: 0, ..site.daemon_cfg(cfg)? }).await?;
     }
-    if cfg.jetstream && cfg.nats_url.is_none() {
-        drop(_nats);
-        let _ = std::fs::remove_dir_all(&store);
-    }
-
-    let rtt = rtt.lock();
     Ok(E2eReport {
         offered_blocks_per_s: cfg.rate,
         sustained_blocks_per_s: total_blocks as f64 / seconds,
@@ -319,9 +357,9 @@ pub async fn run(wl: &Workload, cfg: &E2eConfig) -> Result<E2eReport> {
         answer_p99_us: bucket_quantile(&text, ANSWER, 0.99) * 1e6,
         idle_rtt_p99_us: idle.value_at_quantile(0.99) as f64 / 1e3,
         idle_answer_p99_us: idle_answers * 1e6,
-        lookup_errors: lookup_errors.load(Ordering::Relaxed),
+        lookup_errors,
         rebuild_ms,
-        rebuilt_blocks: sample(&rebuilt, "kvindex_index_blocks") as u64,
+        rebuilt_blocks,
         engine_blocks,
         snapshot_write_ms,
         snapshot_bytes,

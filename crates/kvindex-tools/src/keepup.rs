@@ -15,7 +15,7 @@ use crate::stream::Op;
 use crate::workload::Workload;
 use hdrhistogram::Histogram;
 use kvindex::apply::{ApplyPool, OnApplied};
-use kvindex_core::hash::WorkerId;
+use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::model::Model;
 use kvindex_core::Event;
@@ -115,32 +115,9 @@ fn once<I: KvIndex>(index: I, wl: &Workload, ts: &[u64], speedup: f64, cfg: &Kee
     let name = index.name().to_string();
     let model = Arc::new(Model::new(index));
     let index = model.device();
-    let span_s = ts.last().copied().unwrap_or(0).max(1) as f64 / 1000.0;
-    let window_s = span_s / speedup;
-    // Batches and lookups made up front, so issuing costs no copy.
-    let mut batches: Vec<Option<(WorkerId, Vec<Event>)>> = Vec::with_capacity(wl.ops.len());
-    let queries: Vec<Vec<kvindex_core::LocalHash>> =
-        wl.ops.iter().filter_map(|op| if let Op::Lookup(q) = op { Some(q.clone()) } else { None }).collect();
-    for op in &wl.ops {
-        batches.push(match op {
-            Op::Event(w, ev) => Some((*w, vec![ev.clone()])),
-            Op::Lookup(_) => None,
-        });
-    }
+    let (mut batches, queries) = prepare(wl);
     let start = Instant::now();
-    // Queue wait and update latency, recorded by the apply threads as they finish a batch
-    // (its tag is its issue time).
-    let applied = Arc::new(Mutex::new((histogram(), histogram())));
-    let hook: OnApplied = {
-        let applied = applied.clone();
-        Arc::new(move |_worker, _out, issued, taken: Instant| {
-            let done = ns(start);
-            let taken = taken.saturating_duration_since(start).as_nanos() as u64;
-            let mut h = applied.lock();
-            let _ = h.0.record(taken.saturating_sub(issued).max(1));
-            let _ = h.1.record(done.saturating_sub(issued).max(1));
-        })
-    };
+    let (hook, applied) = applied_latencies(start);
     let pool = ApplyPool::new(model.clone(), cfg.apply_threads, 1024, Some(hook), None);
     let (lookups, inbox) = crossbeam_channel::unbounded::<(usize, u64)>();
     let pb = progress(cfg.progress, wl.ops.len() as u64, format!("{name} keep-up x{speedup}"));
@@ -194,31 +171,105 @@ fn once<I: KvIndex>(index: I, wl: &Workload, ts: &[u64], speedup: f64, cfg: &Kee
         let _ = service.add(sv);
     }
     let applied = applied.lock();
-    let events = (wl.stored_blocks + wl.removed_blocks) as f64;
-    let looked = wl.lookup_blocks as f64;
-    KeepUpPoint {
-        backend: name,
+    let window_s = ts.last().copied().unwrap_or(0).max(1) as f64 / 1000.0 / speedup;
+    let run = Run {
+        name,
         speedup,
         window_s,
-        elapsed_s: elapsed,
-        kept_up: elapsed <= KEPT_UP * window_s,
-        offered_block_ops_per_s: (events + looked) / window_s,
-        offered_event_blocks_per_s: events / window_s,
-        offered_lookup_blocks_per_s: looked / window_s,
-        achieved_block_ops_per_s: (events + looked) / elapsed,
-        achieved_event_blocks_per_s: events / elapsed,
-        achieved_lookup_blocks_per_s: looked / elapsed,
-        issue_lag_p50_us: us(&lag, 0.5),
-        issue_lag_p99_us: us(&lag, 0.99),
-        queue_wait_p50_us: us(&applied.0, 0.5),
-        queue_wait_p99_us: us(&applied.0, 0.99),
-        update_p50_us: us(&applied.1, 0.5),
-        update_p99_us: us(&applied.1, 0.99),
-        lookup_wait_p50_us: us(&wait, 0.5),
-        lookup_wait_p99_us: us(&wait, 0.99),
-        lookup_service_p50_us: us(&service, 0.5),
-        lookup_service_p99_us: us(&service, 0.99),
+        elapsed,
+        lag: &lag,
+        queue: &applied.0,
+        update: &applied.1,
+        wait: &wait,
+        service: &service,
+    };
+    run.point(wl)
+}
+
+/// What one run measured, for its point.
+struct Run<'a> {
+    /// The index's name.
+    name: String,
+    /// The timeline's compression.
+    speedup: f64,
+    /// The compressed timeline's length, s.
+    window_s: f64,
+    /// How long the run took, s.
+    elapsed: f64,
+    /// How late each op was issued, ns.
+    lag: &'a Histogram<u64>,
+    /// Batches' waits in their queues, ns.
+    queue: &'a Histogram<u64>,
+    /// Batches' issue to applied, ns.
+    update: &'a Histogram<u64>,
+    /// Lookups' waits for a thread, ns.
+    wait: &'a Histogram<u64>,
+    /// Lookups' own times, ns.
+    service: &'a Histogram<u64>,
+}
+
+impl Run<'_> {
+    fn point(self, wl: &Workload) -> KeepUpPoint {
+        let (name, speedup, window_s, elapsed) = (self.name, self.speedup, self.window_s, self.elapsed);
+        let (lag, wait, service) = (self.lag, self.wait, self.service);
+        let events = (wl.stored_blocks + wl.removed_blocks) as f64;
+        let looked = wl.lookup_blocks as f64;
+        KeepUpPoint {
+            backend: name,
+            speedup,
+            window_s,
+            elapsed_s: elapsed,
+            kept_up: elapsed <= KEPT_UP * window_s,
+            offered_block_ops_per_s: (events + looked) / window_s,
+            offered_event_blocks_per_s: events / window_s,
+            offered_lookup_blocks_per_s: looked / window_s,
+            achieved_block_ops_per_s: (events + looked) / elapsed,
+            achieved_event_blocks_per_s: events / elapsed,
+            achieved_lookup_blocks_per_s: looked / elapsed,
+            issue_lag_p50_us: us(lag, 0.5),
+            issue_lag_p99_us: us(lag, 0.99),
+            queue_wait_p50_us: us(self.queue, 0.5),
+            queue_wait_p99_us: us(self.queue, 0.99),
+            update_p50_us: us(self.update, 0.5),
+            update_p99_us: us(self.update, 0.99),
+            lookup_wait_p50_us: us(wait, 0.5),
+            lookup_wait_p99_us: us(wait, 0.99),
+            lookup_service_p50_us: us(service, 0.5),
+            lookup_service_p99_us: us(service, 0.99),
+        }
     }
+}
+
+/// The workload's batches (one event each, by op; `None` where a lookup is) and lookups, made
+/// up front so that issuing costs no copy.
+#[allow(clippy::type_complexity)]
+fn prepare(wl: &Workload) -> (Vec<Option<(WorkerId, Vec<Event>)>>, Vec<Vec<LocalHash>>) {
+    let queries = wl.ops.iter().filter_map(|op| if let Op::Lookup(q) = op { Some(q.clone()) } else { None }).collect();
+    let batches = wl
+        .ops
+        .iter()
+        .map(|op| match op {
+            Op::Event(w, ev) => Some((*w, vec![ev.clone()])),
+            Op::Lookup(_) => None,
+        })
+        .collect();
+    (batches, queries)
+}
+
+/// The hook that records each batch's queue wait and update latency (issue to applied) as its
+/// apply thread finishes it (a batch's tag is its issue time, ns since `start`).
+#[allow(clippy::type_complexity)]
+fn applied_latencies(start: Instant) -> (OnApplied, Arc<Mutex<(Histogram<u64>, Histogram<u64>)>>) {
+    let applied = Arc::new(Mutex::new((histogram(), histogram())));
+    let recorded = applied.clone();
+    let hook: OnApplied = Arc::new(move |_worker, _out, issued, taken: Instant| {
+        let done = ns(start);
+        let taken = taken.saturating_duration_since(start).as_nanos() as u64;
+        let mut h = recorded.lock();
+        let _ = h.0.record(taken.saturating_sub(issued).max(1));
+        let _ = h.1.record(done.saturating_sub(issued).max(1));
+    });
+    (hook, applied)
 }
 
 /// Runs every backend at every factor (backends one after another, each over all factors).

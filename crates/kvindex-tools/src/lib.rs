@@ -29,6 +29,7 @@
 //!   compares them in one run (only with `--features peers`).
 //! - [`indexers`]: the indexes a benchmark can replay, by name: kvindex's backends and the peers.
 //! - [`cli`]: the `kvindex-tools` command line.
+//! - [`config_reference`]: docs/CONFIGURATION.md, generated from the settings' code.
 //! - [`alloc`]: a counting global allocator, so benchmarks can report index memory.
 //! - [`report`]: number formatting shared by the tables.
 
@@ -38,6 +39,7 @@ pub mod bench;
 pub mod bridge_bench;
 pub mod burst;
 pub mod cli;
+pub mod config_reference;
 pub mod demo;
 pub mod deploy;
 pub mod e2e;

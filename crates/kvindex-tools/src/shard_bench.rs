@@ -15,7 +15,6 @@ use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_client::shards::partition;
 use kvindex_client::{Answer, LookupClient, Query};
 use kvindex_core::hash::WorkerId;
-use kvindex_core::Event;
 use serde::Serialize;
 use std::collections::{BTreeSet, HashMap};
 use std::process::{Child, Command, Stdio};
@@ -160,6 +159,94 @@ pub async fn run(wl: &Workload, cfg: &ShardBenchConfig) -> Result<Vec<ShardRound
     Ok(rounds)
 }
 
+/// One publisher per worker of the workload on each of two servers, as one engine would have
+/// beside each; and the blocks its events name in all.
+async fn publishers_on(wl: &Workload, prefix: &str, servers: [&str; 2]) -> Result<(HashMap<WorkerId, [Publisher; 2]>, u64)> {
+    let (a, b) = (async_nats::connect(servers[0]).await?, async_nats::connect(servers[1]).await?);
+    let mut publishers: HashMap<WorkerId, [Publisher; 2]> = HashMap::new();
+    let mut total = 0u64;
+    for op in &wl.ops {
+        let Op::Event(w, ev) = op else { continue };
+        total += ev.blocks() as u64;
+        if let std::collections::hash_map::Entry::Vacant(slot) = publishers.entry(*w) {
+            let one = Publisher::start(a.clone(), PublisherConfig::new(prefix, w.worker_id, w.dp_rank)).await?;
+            let other = Publisher::start(b.clone(), PublisherConfig::new(prefix, w.worker_id, w.dp_rank)).await?;
+            slot.insert([one, other]);
+        }
+    }
+    Ok((publishers, total))
+}
+
+/// Every event, published to both sides; returns once each side has applied `total` blocks.
+async fn replay(
+    wl: &Workload,
+    publishers: &HashMap<WorkerId, [Publisher; 2]>,
+    single: &ServeProcess,
+    shards: &[ServeProcess],
+    total: u64,
+) -> Result<()> {
+    for op in &wl.ops {
+        let Op::Event(w, ev) = op else { continue };
+        let Some(pair) = publishers.get(w) else { continue };
+        for p in pair {
+            p.wait_for_room().await;
+            p.publish(ev);
+        }
+    }
+    for p in publishers.values().flatten() {
+        p.flush().await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let mut shards_applied = 0.0;
+        for p in shards {
+            shards_applied += applied(&p.metrics().await);
+        }
+        if applied(&single.metrics().await) >= total as f64 && shards_applied >= total as f64 {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "the daemons did not apply the {total} blocks within 10 minutes");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The same lookups to the one daemon and to the shards (merged), one at a time, alternating.
+struct Compared {
+    /// The one daemon's round trips, ns.
+    one_rtt: Histogram<u64>,
+    /// The merged answers' round trips, ns.
+    merged_rtt: Histogram<u64>,
+    /// Merged answers unlike the one daemon's.
+    differing: u64,
+    /// Merged answers missing a shard.
+    partial: u64,
+}
+
+async fn compare(wl: &Workload, prefix: &str, urls: [&str; 2], lookups: usize) -> Result<Compared> {
+    let queries: Vec<Query> =
+        wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(Query::hashes(q)) } else { None }).collect();
+    ensure!(!queries.is_empty(), "the workload has no lookups");
+    let timeout = Duration::from_secs(5);
+    let one = LookupClient::new(async_nats::connect(urls[0]).await?, prefix).with_timeout(timeout);
+    let merged = LookupClient::new(async_nats::connect(urls[1]).await?, prefix).with_timeout(timeout);
+    let histogram = || Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3);
+    let mut out = Compared { one_rtt: histogram()?, merged_rtt: histogram()?, differing: 0, partial: 0 };
+    // The first merged lookup learns the shard count: not timed.
+    merged.lookup(&queries[0]).await?;
+    for i in 0..lookups {
+        let q = &queries[i % queries.len()];
+        let t = Instant::now();
+        let a = one.lookup(q).await?;
+        out.one_rtt.record(t.elapsed().as_nanos() as u64)?;
+        let t = Instant::now();
+        let b = merged.lookup(q).await?;
+        out.merged_rtt.record(t.elapsed().as_nanos() as u64)?;
+        out.partial += u64::from(b.is_partial());
+        out.differing += u64::from(placements(&a) != placements(&b));
+    }
+    Ok(out)
+}
+
 async fn round(wl: &Workload, cfg: &ShardBenchConfig) -> Result<ShardRound> {
     let ticks = ticks_per_s();
     let prefix = format!("shb{}", std::process::id());
@@ -170,53 +257,10 @@ async fn round(wl: &Workload, cfg: &ShardBenchConfig) -> Result<ShardRound> {
     for k in 0..cfg.shards {
         shards.push(ServeProcess::start(&sharded.url(), &prefix, cfg.shards, k).await?);
     }
-
-    // One publisher per worker on each server, as one engine would have beside each.
-    let (to_plain, to_sharded) = (async_nats::connect(plain.url()).await?, async_nats::connect(sharded.url()).await?);
-    let mut publishers: HashMap<WorkerId, [Publisher; 2]> = HashMap::new();
-    let mut total = 0u64;
-    for op in &wl.ops {
-        let Op::Event(w, ev) = op else { continue };
-        total += ev.blocks() as u64;
-        if !publishers.contains_key(w) {
-            let one = Publisher::start(to_plain.clone(), PublisherConfig::new(&prefix, w.worker_id, w.dp_rank)).await?;
-            let other = Publisher::start(to_sharded.clone(), PublisherConfig::new(&prefix, w.worker_id, w.dp_rank)).await?;
-            publishers.insert(*w, [one, other]);
-        }
-    }
+    let (publishers, total) = publishers_on(wl, &prefix, [&plain.url(), &sharded.url()]).await?;
     let cpu_before: Vec<f64> = std::iter::once(&single).chain(&shards).map(|p| p.cpu_s(ticks)).collect::<Result<_>>()?;
     let rss_ready: Vec<f64> = std::iter::once(&single).chain(&shards).map(|p| p.rss_mib()).collect::<Result<_>>()?;
-    for op in &wl.ops {
-        let Op::Event(w, ev) = op else { continue };
-        let Some(pair) = publishers.get(w) else { continue };
-        for p in pair {
-            p.wait_for_room().await;
-            match ev {
-                Event::Stored { parent, blocks, .. } => p.stored(*parent, blocks),
-                Event::Removed { hashes, .. } => p.removed(hashes),
-                Event::Cleared => p.cleared(),
-                Event::GroupStored { group, kind, hashes } => p.group_stored(*group, *kind, hashes),
-                Event::GroupRemoved { group, hashes } => p.group_removed(*group, hashes),
-            }
-        }
-    }
-    for pair in publishers.values() {
-        for p in pair {
-            p.flush().await;
-        }
-    }
-    let deadline = Instant::now() + Duration::from_secs(600);
-    loop {
-        let mut shards_applied = 0.0;
-        for p in &shards {
-            shards_applied += applied(&p.metrics().await);
-        }
-        if applied(&single.metrics().await) >= total as f64 && shards_applied >= total as f64 {
-            break;
-        }
-        ensure!(Instant::now() < deadline, "the daemons did not apply the {total} blocks within 10 minutes");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    replay(wl, &publishers, &single, &shards, total).await?;
     let mut costs = Vec::new();
     for ((p, before), ready) in std::iter::once(&single).chain(&shards).zip(&cpu_before).zip(&rss_ready) {
         let text = p.metrics().await;
@@ -233,41 +277,18 @@ async fn round(wl: &Workload, cfg: &ShardBenchConfig) -> Result<ShardRound> {
         let owned = publishers.keys().filter(|w| partition(w.worker_id, cfg.shards) == k as u32).count() as u64;
         ensure!(cost.workers == owned, "shard {k} holds {} workers, {owned} are mapped to it", cost.workers);
     }
-
-    // The same lookups to both, one at a time, alternating.
-    let queries: Vec<Query> =
-        wl.ops.iter().filter_map(|o| if let Op::Lookup(q) = o { Some(Query::hashes(q)) } else { None }).collect();
-    ensure!(!queries.is_empty(), "the workload has no lookups");
-    let timeout = Duration::from_secs(5);
-    let one = LookupClient::new(async_nats::connect(plain.url()).await?, &prefix).with_timeout(timeout);
-    let merged = LookupClient::new(async_nats::connect(sharded.url()).await?, &prefix).with_timeout(timeout);
-    let (mut one_rtt, mut merged_rtt) =
-        (Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?, Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?);
-    let (mut differing, mut partial) = (0, 0);
-    // The first merged lookup learns the shard count: not timed.
-    merged.lookup(&queries[0]).await?;
-    for i in 0..cfg.lookups {
-        let q = &queries[i % queries.len()];
-        let t = Instant::now();
-        let a = one.lookup(q).await?;
-        one_rtt.record(t.elapsed().as_nanos() as u64)?;
-        let t = Instant::now();
-        let b = merged.lookup(q).await?;
-        merged_rtt.record(t.elapsed().as_nanos() as u64)?;
-        partial += u64::from(b.is_partial());
-        differing += u64::from(placements(&a) != placements(&b));
-    }
+    let c = compare(wl, &prefix, [&plain.url(), &sharded.url()], cfg.lookups).await?;
     let us = |h: &Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1e3;
     Ok(ShardRound {
         single: costs[0].clone(),
         shards: costs[1..].to_vec(),
-        single_rtt_p50_us: us(&one_rtt, 0.5),
-        single_rtt_p99_us: us(&one_rtt, 0.99),
-        merged_rtt_p50_us: us(&merged_rtt, 0.5),
-        merged_rtt_p99_us: us(&merged_rtt, 0.99),
+        single_rtt_p50_us: us(&c.one_rtt, 0.5),
+        single_rtt_p99_us: us(&c.one_rtt, 0.99),
+        merged_rtt_p50_us: us(&c.merged_rtt, 0.5),
+        merged_rtt_p99_us: us(&c.merged_rtt, 0.99),
         lookups: cfg.lookups as u64,
-        differing,
-        partial,
+        differing: c.differing,
+        partial: c.partial,
     })
 }
 

@@ -36,7 +36,7 @@ pub use writer::RunWriter;
 use super::{candidate_slots, DepthGroups, IndexError, IndexStats, KvIndex, MatchOptions, Saved, WorkerMatch};
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::workers::{Slot, SlotBits, WorkerRegistry};
-use cover::Cover;
+use cover::{Cover, Dense, List};
 use crossbeam_epoch::{self as epoch, Guard};
 use shared::{Hashes, Run, ROOT};
 use slab::Slab;
@@ -133,109 +133,16 @@ impl RunIndex {
         let width = s.alive.words().len();
         loop {
             // Who holds how much of the run: those holding fewer than `k` blocks end here, those
-            // holding none where it starts. A list is read before the hashes: a writer appends
-            // a run's hashes before it publishes a cutoff over them, so no cutoff read here
-            // reaches past the hashes read after it.
+            // holding none where it starts.
             s.next.clear_to(width);
             let mut ended = s.spare.pop().unwrap_or_default();
             ended.clear_to(width);
             s.cuts.clear();
             run.prefetch_hashes(guard);
-            let k;
-            match run.cover(guard) {
-                Cover::List(l) => {
-                    // One pass with the match length of the hashes read first. A cutoff past
-                    // them (a writer appended and published since) would need hashes read
-                    // after it: then, rarely, the run is read again, coverage first.
-                    let hashes = run.hashes(guard);
-                    let (seen_len, k0) = (hashes.len(), common_len(hashes, &q[pos..]));
-                    let outs = s.out.len();
-                    s.seen.clear_to(width);
-                    let mut past = false;
-                    let (alive, seen, next, out) = (&s.alive, &mut s.seen, &mut s.next, &mut s.out);
-                    l.scan(|slot, cut| {
-                        if alive.contains(slot) && !seen.contains(slot) {
-                            seen.insert(slot);
-                            past |= cut as usize > seen_len;
-                            if cut as usize >= k0 {
-                                next.insert(slot);
-                            } else {
-                                out.push((slot, (pos + cut as usize) as u32));
-                            }
-                        }
-                    });
-                    k = if past && k0 == seen_len {
-                        s.out.truncate(outs);
-                        s.next.clear_to(width);
-                        s.seen.clear_to(width);
-                        let (alive, seen, cuts) = (&s.alive, &mut s.seen, &mut s.cuts);
-                        l.scan(|slot, cut| {
-                            if alive.contains(slot) && !seen.contains(slot) {
-                                seen.insert(slot);
-                                cuts.push((slot, cut));
-                            }
-                        });
-                        let k = common_len(run.hashes(guard), &q[pos..]);
-                        for &(slot, cut) in &s.cuts {
-                            if cut as usize >= k {
-                                s.next.insert(slot);
-                            } else {
-                                s.out.push((slot, (pos + cut as usize) as u32));
-                            }
-                        }
-                        k
-                    } else {
-                        k0
-                    };
-                    for ((e, &a), &h) in ended.words_mut().iter_mut().zip(s.alive.words()).zip(s.seen.words()) {
-                        *e = a & !h;
-                    }
-                }
-                Cover::Dense(d) => {
-                    // A dense cover takes no appends and was made from hashes at least as long
-                    // as its length, published before it: hashes read now reach every cutoff
-                    // in it, so the match length is known before the cutoffs are read.
-                    k = common_len(run.hashes(guard), &q[pos..]);
-                    let (len, full_goes_on) = (d.len() as usize, d.len() as usize >= k);
-                    // Leaving the run into a child inside it: the holders reaching the child's
-                    // offset, a word at a time, from its mark.
-                    let mark = if k < len { d.find_mark(k as u32) } else { None };
-                    let (next, ends) = (s.next.words_mut(), ended.words_mut());
-                    for (i, &a) in s.alive.words().iter().enumerate() {
-                        if a == 0 {
-                            continue;
-                        }
-                        let (h, f) = d.bits(i);
-                        let (h, f) = (h & a, f & a);
-                        let (mut goes, mut end) = (0, a & !h);
-                        if full_goes_on {
-                            goes = f;
-                        } else {
-                            let mut full = f;
-                            while full != 0 {
-                                s.out.push(((i * 64) as Slot + full.trailing_zeros(), (pos + len) as u32));
-                                full &= full - 1;
-                            }
-                        }
-                        if let Some(m) = mark {
-                            goes |= d.mark_word(m, i) & h;
-                        }
-                        let mut rest = h & !f & !goes;
-                        while rest != 0 {
-                            let b = rest.trailing_zeros();
-                            rest &= rest - 1;
-                            let slot = (i * 64) as Slot + b;
-                            match d.cut(slot) as usize {
-                                0 => end |= 1 << b,
-                                c if c >= k => goes |= 1 << b,
-                                c => s.out.push((slot, (pos + c) as u32)),
-                            }
-                        }
-                        next[i] = goes;
-                        ends[i] = end;
-                    }
-                }
-            }
+            let k = match run.cover(guard) {
+                Cover::List(l) => step_list(l, run, &q[pos..], pos, s, &mut ended, guard),
+                Cover::Dense(d) => step_dense(d, run, &q[pos..], pos, s, &mut ended, guard),
+            };
             s.end(pos, ended);
             std::mem::swap(&mut s.alive, &mut s.next);
             pos += k;
@@ -423,6 +330,125 @@ fn common_len(run: impl AsRef<[u64]>, q: &[LocalHash]) -> usize {
         i += 8;
     }
     i + run[i..n].iter().zip(&q[i..n]).take_while(|(a, b)| **a == b.0).count()
+}
+
+/// One step of the walk through a run covered by a list of holders: each alive holder goes on
+/// (`s.next`), ends inside the run (`s.out`, at its depth) or ends where the run starts
+/// (`ended`); returns the run's match length `k` with `rest` (the query from `pos` on).
+///
+/// A list is read before the hashes: a writer appends a run's hashes before it publishes a
+/// cutoff over them, so no cutoff read here reaches past the hashes read after it. One pass
+/// uses the match length of the hashes read first; a cutoff past them (a writer appended and
+/// published since) would need hashes read after it: then, rarely, the run is read again,
+/// coverage first.
+#[inline(always)]
+fn step_list(l: &List, run: &Run, rest: &[LocalHash], pos: usize, s: &mut Scratch, ended: &mut SlotBits, guard: &Guard) -> usize {
+    let width = s.alive.words().len();
+    let hashes = run.hashes(guard);
+    let (seen_len, k0) = (hashes.len(), common_len(hashes, rest));
+    let outs = s.out.len();
+    s.seen.clear_to(width);
+    let mut past = false;
+    let (alive, seen, next, out) = (&s.alive, &mut s.seen, &mut s.next, &mut s.out);
+    l.scan(|slot, cut| {
+        if alive.contains(slot) && !seen.contains(slot) {
+            seen.insert(slot);
+            past |= cut as usize > seen_len;
+            if cut as usize >= k0 {
+                next.insert(slot);
+            } else {
+                out.push((slot, (pos + cut as usize) as u32));
+            }
+        }
+    });
+    let k = if past && k0 == seen_len { list_again(l, run, rest, pos, outs, s, guard) } else { k0 };
+    for ((e, &a), &h) in ended.words_mut().iter_mut().zip(s.alive.words()).zip(s.seen.words()) {
+        *e = a & !h;
+    }
+    k
+}
+
+/// [`step_list`]'s second reading of a run a writer appended to meanwhile: what the first
+/// pass put out after `outs` is taken back, then the holders' cutoffs are read first and the
+/// hashes after them, which now reach every cutoff read.
+#[cold]
+fn list_again(l: &List, run: &Run, rest: &[LocalHash], pos: usize, outs: usize, s: &mut Scratch, guard: &Guard) -> usize {
+    let width = s.alive.words().len();
+    s.out.truncate(outs);
+    s.next.clear_to(width);
+    s.seen.clear_to(width);
+    let (alive, seen, cuts) = (&s.alive, &mut s.seen, &mut s.cuts);
+    l.scan(|slot, cut| {
+        if alive.contains(slot) && !seen.contains(slot) {
+            seen.insert(slot);
+            cuts.push((slot, cut));
+        }
+    });
+    let k = common_len(run.hashes(guard), rest);
+    for &(slot, cut) in &s.cuts {
+        if cut as usize >= k {
+            s.next.insert(slot);
+        } else {
+            s.out.push((slot, (pos + cut as usize) as u32));
+        }
+    }
+    k
+}
+
+/// One step of the walk through a run covered densely (a cutoff per slot): as [`step_list`].
+/// A dense cover takes no appends and was made from hashes at least as long as its length,
+/// published before it: hashes read now reach every cutoff in it, so the match length is
+/// known before the cutoffs are read.
+#[inline(always)]
+fn step_dense(
+    d: &Dense,
+    run: &Run,
+    rest: &[LocalHash],
+    pos: usize,
+    s: &mut Scratch,
+    ended: &mut SlotBits,
+    guard: &Guard,
+) -> usize {
+    let k = common_len(run.hashes(guard), rest);
+    let (len, full_goes_on) = (d.len() as usize, d.len() as usize >= k);
+    // Leaving the run into a child inside it: the holders reaching the child's offset, a word
+    // at a time, from its mark.
+    let mark = if k < len { d.find_mark(k as u32) } else { None };
+    let (next, ends) = (s.next.words_mut(), ended.words_mut());
+    for (i, &a) in s.alive.words().iter().enumerate() {
+        if a == 0 {
+            continue;
+        }
+        let (h, f) = d.bits(i);
+        let (h, f) = (h & a, f & a);
+        let (mut goes, mut end) = (0, a & !h);
+        if full_goes_on {
+            goes = f;
+        } else {
+            let mut full = f;
+            while full != 0 {
+                s.out.push(((i * 64) as Slot + full.trailing_zeros(), (pos + len) as u32));
+                full &= full - 1;
+            }
+        }
+        if let Some(m) = mark {
+            goes |= d.mark_word(m, i) & h;
+        }
+        let mut rest_bits = h & !f & !goes;
+        while rest_bits != 0 {
+            let b = rest_bits.trailing_zeros();
+            rest_bits &= rest_bits - 1;
+            let slot = (i * 64) as Slot + b;
+            match d.cut(slot) as usize {
+                0 => end |= 1 << b,
+                c if c >= k => goes |= 1 << b,
+                c => s.out.push((slot, (pos + c) as u32)),
+            }
+        }
+        next[i] = goes;
+        ends[i] = end;
+    }
+    k
 }
 
 /// A lookup's working sets, reused across lookups on a thread.
