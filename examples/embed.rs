@@ -1,17 +1,28 @@
 //! The index in your own process, no NATS: a gateway that receives its engines' KV events
-//! itself applies them and asks for the best worker before routing.
+//! itself applies them to a `Model` (what `kvindex serve` runs) and asks it for the best
+//! worker before routing.
 //!
 //! `cargo run --example embed`
 
-use kvindex_core::{local_hashes, BlockHash, Event, KvIndex, MatchOptions, RunIndex, StoredBlock, WorkerId};
+use kvindex_core::model::{AnnounceConfig, Answer, Model, Writers};
+use kvindex_core::{local_hashes, BlockHash, Event, MatchOptions, RunIndex, StoredBlock, Tier, WorkerId};
 
 const BLOCK_SIZE: usize = 16;
 
 fn main() {
-    let index = RunIndex::default();
-    // A writer per worker: its reverse map (engine hash -> place). Own it on one thread.
-    let mut gpu0 = index.writer(WorkerId::new(0, 0)).expect("a free worker slot");
-    let mut gpu1 = index.writer(WorkerId::new(1, 0)).expect("a free worker slot");
+    // The device index, the host and disk tiers, hybrid groups and routers' predictions, each
+    // held by a run index; announcements held for 5 s.
+    let announcing = AnnounceConfig {
+        predicted_capacity: 65_536,
+        predicted_total: 1 << 20,
+        predicted_ttl_ms: 5_000,
+        routed_only: Default::default(),
+        routed_only_capacity: 65_536,
+        routed_only_ttl_ms: 120_000,
+    };
+    let model = Model::complete(RunIndex::default, announcing);
+    // The write state of the workers: every event of a worker goes through the same Writers.
+    let mut writers = Writers::default();
 
     // Two requests share a 48-token system prompt, then differ.
     let system: Vec<u32> = (0..48).collect();
@@ -27,18 +38,23 @@ fn main() {
     };
 
     // Worker 0 served request A (all 5 blocks); worker 1 served request B, then evicted its
-    // last block. Events arrive as the engines send them: apply each through its writer.
-    let a = blocks_of(&req_a, 1000);
+    // last block. Events arrive as the engines send them.
+    let (gpu0, gpu1) = (WorkerId::new(0, 0), WorkerId::new(1, 0));
     let b = blocks_of(&req_b, 2000);
-    Event::Stored { parent: None, blocks: a, tier: Default::default() }.apply_to(&index, &mut gpu0);
-    Event::Stored { parent: None, blocks: b.clone(), tier: Default::default() }.apply_to(&index, &mut gpu1);
-    Event::Removed { hashes: vec![b[4].block_hash], tier: Default::default() }.apply_to(&index, &mut gpu1);
+    let stored = |blocks| Event::Stored { parent: None, blocks, tier: Tier::Device };
+    model.apply(&mut writers, gpu0, &[stored(blocks_of(&req_a, 1000))]).expect("a free worker slot");
+    let evicted = Event::Removed { hashes: vec![b[4].block_hash], tier: Tier::Device };
+    model.apply(&mut writers, gpu1, &[stored(b), evicted]).expect("a free worker slot");
+    // The router sent request B to worker 2 a moment ago: its engine has not said so yet.
+    let incoming = local_hashes(&req_b, BLOCK_SIZE, None, None);
+    model.announce(&mut writers, WorkerId::new(2, 0), &incoming);
 
     // A new request: the system prompt, then request B's continuation.
-    let incoming = local_hashes(&req_b, BLOCK_SIZE, None, None);
-    for m in index.find_matches(&incoming, &MatchOptions::default()) {
-        println!("worker {} holds the first {} of {} blocks", m.worker, m.blocks, incoming.len());
+    let mut answer = Answer::default();
+    model.answer(&incoming, &MatchOptions::default(), &[Tier::Device], &(), &mut answer);
+    for (depths, workers) in answer.groups() {
+        let predicted = depths.predicted.map_or(String::new(), |p| format!(" (announced: {p})"));
+        let names: Vec<String> = workers.iter().map(|w| w.to_string()).collect();
+        println!("workers {}: {} of {} blocks{predicted}", names.join(", "), depths.blocks, incoming.len());
     }
-    let stats = index.stats();
-    println!("index: {} placements, {} entries, {} workers", stats.placements, stats.entries, stats.workers);
 }

@@ -1,4 +1,4 @@
-//! Memory under churn (issue 4): replaying a trace again and again through the same engines
+//! Memory under churn: replaying a trace again and again through the same engines
 //! (stores and evictions in equal measure) keeps every backend's memory flat, and clearing
 //! or expiring every worker gives it back. Heap bytes are read from the counting allocator,
 //! which this test binary installs; allocation sizes do not depend on timing, so the figures

@@ -1,4 +1,4 @@
-//! Safe to expose (issue 9): what an attacker or an operator tried, against a real
+//! Safe to expose: what an attacker or an operator tried, against a real
 //! `nats-server` and `kvindex serve`, and the behaviour each now gets.
 
 mod support;

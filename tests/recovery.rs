@@ -1,4 +1,4 @@
-//! Fault tests (issue 4): real `nats-server` and `kvindex` processes, model engines reporting
+//! Fault tests: real `nats-server` and `kvindex` processes, model engines reporting
 //! through the publisher library. After each fault, every lookup must equal the engines' true
 //! state within a stated time, with no worker left stale, and the daemon must still run.
 //! Recovery times are printed (`cargo test --test recovery -- --nocapture`).

@@ -85,8 +85,8 @@ struct Blocks {
 #[derive(Serialize, Deserialize)]
 struct Stale {
     /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `over_limit`,
-    /// `slow_consumer`, `stale_in_snapshot` or `incomplete` (TROUBLESHOOTING.md says what each
-    /// means and what to do).
+    /// `slow_consumer`, `stale_in_snapshot` or `incomplete` (OPERATIONS.md, "Looking inside",
+    /// says what each means; TROUBLESHOOTING.md what to do).
     reason: std::borrow::Cow<'static, str>,
     /// Milliseconds since it went stale.
     since_ms: u64,

@@ -1,9 +1,9 @@
-//! Criterion micro-benchmark of the ingest hot path's first step: decoding an event batch off
-//! the wire.
+//! Criterion micro-benchmarks of the hot paths' first step: decoding an event batch, and a
+//! lookup request, off the wire.
 
 use criterion::{black_box, criterion_group, criterion_main, Criterion, Throughput};
 use kvindex_client::core::{Event, StoredBlock, Tier};
-use kvindex_client::protocol::{decode_batch, encode_batch, BatchHeader, EventBatch, KvEvent};
+use kvindex_client::protocol::{decode_batch, encode_batch, BatchHeader, EventBatch, KvEvent, LookupRequest};
 
 /// 64 chains of 256 blocks with well-spread hashes.
 fn chains() -> Vec<Vec<StoredBlock>> {
@@ -35,9 +35,22 @@ fn bench_decode(c: &mut Criterion) {
     g.finish();
 }
 
+/// A router's lookup of a 4,096-token prompt (256 blocks of 16), and of its 256 local hashes.
+fn bench_lookup_request(c: &mut Criterion) {
+    let mut g = c.benchmark_group("protocol");
+    let by_tokens = serde_json::json!({"tokens": (0..4096u32).collect::<Vec<_>>(), "block_size": 16, "max_matches": 64});
+    let by_hashes =
+        serde_json::json!({"block_hashes": (0..256u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15)).collect::<Vec<_>>()});
+    for (name, req) in [("decode_lookup_4096_tokens", by_tokens), ("decode_lookup_256_hashes", by_hashes)] {
+        let bytes = rmp_serde::to_vec_named(&req).expect("msgpack");
+        g.bench_function(name, |b| b.iter(|| LookupRequest::decode(black_box(&bytes))));
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = decode;
     config = Criterion::default().sample_size(30).measurement_time(std::time::Duration::from_secs(2));
-    targets = bench_decode
+    targets = bench_decode, bench_lookup_request
 }
 criterion_main!(decode);

@@ -722,6 +722,67 @@ pub fn check_prefix(prefix: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// A request's blocks, as a lookup and an announcement both give them (each message carries
+/// these keys flat, for a decoder as fast as the plain struct's): their local hashes, or the
+/// token ids with what hashes them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockSpec<'a> {
+    /// Local hashes of the blocks.
+    pub block_hashes: Option<&'a [u64]>,
+    /// Or the token ids.
+    pub tokens: Option<&'a [u32]>,
+    /// Tokens per block, for `tokens`.
+    pub block_size: Option<u32>,
+    /// The LoRA adapter, for `tokens`.
+    pub lora_name: Option<&'a str>,
+    /// The cache salt, for `tokens`.
+    pub salt: Option<&'a str>,
+    /// Tokens past each block its hash covers, for `tokens`.
+    pub lookahead: Option<u32>,
+}
+
+/// The [`BlockSpec`] of a message that carries the six block keys (a lookup, an announcement).
+macro_rules! block_spec_of {
+    ($message:expr) => {
+        BlockSpec {
+            block_hashes: $message.block_hashes.as_deref(),
+            tokens: $message.tokens.as_deref(),
+            block_size: $message.block_size,
+            lora_name: $message.lora_name.as_deref(),
+            salt: $message.salt.as_deref(),
+            lookahead: $message.lookahead,
+        }
+    };
+}
+
+impl BlockSpec<'_> {
+    /// The blocks are given one way: hashes, or tokens with a block size above 0.
+    pub fn check(&self) -> Result<(), String> {
+        match (self.block_hashes.is_some(), self.tokens.is_some(), self.block_size) {
+            (true, false, _) => Ok(()),
+            (false, true, Some(bs)) if bs > 0 => Ok(()),
+            (false, true, _) => Err("tokens need a block_size above 0".into()),
+            (true, true, _) => Err("give block_hashes or tokens, not both".into()),
+            (false, false, _) => Err("give block_hashes or tokens".into()),
+        }
+    }
+
+    /// The local hashes to match, at most `limit` (blocks past the index's depth limit can
+    /// never match, so they are not hashed).
+    pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
+        match (self.block_hashes, self.tokens) {
+            (Some(h), _) => h.iter().take(limit).map(|&h| LocalHash(h)).collect(),
+            (None, Some(t)) => {
+                let bs = self.block_size.unwrap_or(0) as usize;
+                let ahead = self.lookahead.unwrap_or(0) as usize;
+                let t = &t[..t.len().min(limit.saturating_mul(bs).saturating_add(ahead))];
+                local_hashes_ahead(t, bs, self.lora_name, self.salt, ahead)
+            }
+            (None, None) => Vec::new(),
+        }
+    }
+}
+
 /// A router's question (msgpack map).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LookupRequest {
@@ -801,7 +862,7 @@ impl LookupRequest {
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let req: LookupRequest = rmp_serde::from_slice(bytes).map_err(|e| format!("undecodable lookup request: {e}"))?;
         req.tier_list()?;
-        check_blocks(req.block_hashes.is_some(), req.tokens.is_some(), req.block_size)?;
+        req.blocks().check()?;
         Ok(req)
     }
 
@@ -822,12 +883,14 @@ impl LookupRequest {
         Ok(out)
     }
 
-    /// The local hashes to match, at most `limit` (blocks past the index's depth limit can
-    /// never match, so they are not hashed).
+    /// The request's blocks.
+    pub fn blocks(&self) -> BlockSpec<'_> {
+        block_spec_of!(self)
+    }
+
+    /// The local hashes to match, at most `limit`.
     pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
-        let (h, t, bs) = (&self.block_hashes, &self.tokens, self.block_size);
-        let identity = Identity { lora_name: self.lora_name.as_deref(), salt: self.salt.as_deref(), lookahead: self.lookahead };
-        request_hashes(h.as_deref(), t.as_deref(), bs, identity, limit)
+        self.blocks().local_hashes(limit)
     }
 
     /// The announcement `route_to` asks for: this request's blocks, hashed once here.
@@ -835,46 +898,6 @@ impl LookupRequest {
         let to = self.route_to?;
         let hashes = self.local_hashes(limit).into_iter().map(|h| h.0).collect();
         Some(Routed { worker_id: to.worker_id, dp_rank: to.dp_rank, block_hashes: Some(hashes), ..Routed::default() })
-    }
-}
-
-/// A request's blocks are given one way: hashes, or tokens with a block size above 0.
-fn check_blocks(hashes: bool, tokens: bool, block_size: Option<u32>) -> Result<(), String> {
-    match (hashes, tokens, block_size) {
-        (true, false, _) => Ok(()),
-        (false, true, Some(bs)) if bs > 0 => Ok(()),
-        (false, true, _) => Err("tokens need a block_size above 0".into()),
-        (true, true, _) => Err("give block_hashes or tokens, not both".into()),
-        (false, false, _) => Err("give block_hashes or tokens".into()),
-    }
-}
-
-/// What besides its tokens makes a request's blocks its own.
-#[derive(Clone, Copy)]
-struct Identity<'a> {
-    lora_name: Option<&'a str>,
-    salt: Option<&'a str>,
-    lookahead: Option<u32>,
-}
-
-/// A request's local hashes, given as hashes or as tokens with their block size and
-/// identity; at most `limit`.
-fn request_hashes(
-    hashes: Option<&[u64]>,
-    tokens: Option<&[u32]>,
-    block_size: Option<u32>,
-    id: Identity,
-    limit: usize,
-) -> Vec<LocalHash> {
-    match (hashes, tokens) {
-        (Some(h), _) => h.iter().take(limit).map(|&h| LocalHash(h)).collect(),
-        (None, Some(t)) => {
-            let bs = block_size.unwrap_or(0) as usize;
-            let ahead = id.lookahead.unwrap_or(0) as usize;
-            let t = &t[..t.len().min(limit.saturating_mul(bs).saturating_add(ahead))];
-            local_hashes_ahead(t, bs, id.lora_name, id.salt, ahead)
-        }
-        (None, None) => Vec::new(),
     }
 }
 
@@ -912,7 +935,7 @@ impl Routed {
     /// Decodes and checks an announcement; the error says what is wrong.
     pub fn decode(bytes: &[u8]) -> Result<Self, String> {
         let r: Routed = rmp_serde::from_slice(bytes).map_err(|e| format!("undecodable announcement: {e}"))?;
-        check_blocks(r.block_hashes.is_some(), r.tokens.is_some(), r.block_size)?;
+        r.blocks().check()?;
         Ok(r)
     }
 
@@ -921,11 +944,14 @@ impl Routed {
         rmp_serde::to_vec_named(self).unwrap_or_default()
     }
 
+    /// The announced blocks.
+    pub fn blocks(&self) -> BlockSpec<'_> {
+        block_spec_of!(self)
+    }
+
     /// The announced blocks' local hashes, at most `limit`.
     pub fn local_hashes(&self, limit: usize) -> Vec<LocalHash> {
-        let (h, t, bs) = (&self.block_hashes, &self.tokens, self.block_size);
-        let identity = Identity { lora_name: self.lora_name.as_deref(), salt: self.salt.as_deref(), lookahead: self.lookahead };
-        request_hashes(h.as_deref(), t.as_deref(), bs, identity, limit)
+        self.blocks().local_hashes(limit)
     }
 }
 

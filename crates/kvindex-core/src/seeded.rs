@@ -1,8 +1,7 @@
 //! Hashing of values that publishers and routers choose (block hashes, local hashes, prefix
 //! hashes, worker ids), keyed with a per-process random seed. An unseeded hash lets a sender
-//! pick keys that all land in one slot and turn every insert into a scan of the others (issue
-//! 9 measured 2.3k blocks/s instead of ~1M/s); with the seed unknown, chosen keys spread like
-//! random ones.
+//! pick keys that all land in one slot and turn every insert into a scan of the others; with the
+//! seed unknown, chosen keys spread like random ones (docs/BENCHMARKS.md, "Hash flooding").
 //!
 //! The mix is a folded multiply (`(x ^ seed) * K`, high and low halves XORed), the construction
 //! foldhash and ahash use: one multiply, and the fold makes a collision depend on the seed

@@ -1,4 +1,4 @@
-//! A hash-flooding workload (issue 9): one publisher stores root blocks whose local and
+//! A hash-flooding workload: one publisher stores root blocks whose local and
 //! engine hashes all share one home slot under an *unseeded* Fibonacci mix, then an honest
 //! worker stores a chain behind them. With random keys instead, the same work is the control:
 //! a seeded index applies both at about the same rate.

@@ -386,6 +386,17 @@ impl Beyond {
         blocks.len() as u64
     }
 
+    /// What a store of `blocks` under `parent`, a block the worker does not hold, does: the
+    /// chain is too deep if its parent was (remembered here), else unplaceable (its place is
+    /// unknown). The rule every backend applies.
+    pub(crate) fn orphan_store(&mut self, parent: BlockHash, blocks: &[StoredBlock], out: &mut ApplyOutcome) {
+        if self.contains(parent) {
+            out.too_deep = self.add(blocks);
+        } else {
+            out.unplaceable = blocks.len() as u64;
+        }
+    }
+
     /// Forgets `hash` (it was removed); whether it was there.
     pub(crate) fn forget(&mut self, hash: BlockHash) -> bool {
         !self.0.is_empty() && self.0.remove(&hash.0)

@@ -1187,12 +1187,8 @@ impl KvIndex for PositionalIndex {
                     under_hidden = p.hidden();
                     (Some(ParentRef { hash: h.0, prefix: p.prefix, held: true, slot }), p.pos + 1)
                 }
-                None if w.beyond.contains(h) => {
-                    out.too_deep = w.beyond.add(blocks);
-                    return out;
-                }
                 None => {
-                    out.unplaceable = blocks.len() as u64;
+                    w.beyond.orphan_store(h, blocks, &mut out);
                     return out;
                 }
             },

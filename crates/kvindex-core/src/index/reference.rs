@@ -94,12 +94,8 @@ impl KvIndex for ReferenceIndex {
             None => (0, None),
             Some(h) => match held.get(&h.0) {
                 Some(&(p, prefix)) => (p + 1, Some(prefix)),
-                None if w.1.contains(h) => {
-                    out.too_deep = w.1.add(blocks);
-                    return out;
-                }
                 None => {
-                    out.unplaceable = blocks.len() as u64;
+                    w.1.orphan_store(h, blocks, &mut out);
                     return out;
                 }
             },

@@ -218,12 +218,8 @@ impl RunIndex {
                     let (run, off) = unplace(p);
                     (self.held_run(run, &guard), off + 1)
                 }
-                None if w.beyond.contains(h) => {
-                    out.too_deep = w.beyond.add(blocks);
-                    return out;
-                }
                 None => {
-                    out.unplaceable = blocks.len() as u64;
+                    w.beyond.orphan_store(h, blocks, &mut out);
                     return out;
                 }
             },
