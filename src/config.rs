@@ -47,13 +47,12 @@ pub struct Config {
     pub inspect_token: Option<String>,
     /// Apply threads (0: one per core, less one for NATS and lookups, at least one).
     pub apply_threads: usize,
-    /// Threads that answer lookups, on a runtime and NATS connection of their own so that
-    /// ingest never queues ahead of them (0: one per four cores, at least one).
+    /// Threads that answer lookups, apart from ingest's (0: one per four cores, at least one).
     pub lookup_threads: usize,
     /// Batches queued per apply thread before ingest waits (backpressure).
     pub queue_capacity: usize,
-    /// Messages the events subscription buffers in kvindex's NATS client. Past it the client
-    /// drops messages (a slow consumer): every worker is then marked stale and asked to resync.
+    /// Messages the events subscription buffers; past it NATS drops some (a slow consumer) and
+    /// every worker is marked stale and asked to resync.
     pub subscription_capacity: usize,
     /// Seconds without a batch (events or heartbeat) after which a worker is dropped (0: never).
     pub worker_ttl: u64,
@@ -73,23 +72,20 @@ pub struct Config {
     pub routed_only_capacity: u64,
     /// Seconds a routed-only worker's block is held after its last announcement.
     pub routed_only_ttl: f64,
-    /// Where events are read from: `core` (a NATS subscription; a restarted daemon rebuilds
-    /// from the publishers' snapshots) or `jetstream` (a stream that keeps them: a restarted
-    /// daemon replays it and is whole without any publisher's help).
+    /// Where events are read from: `core` (a NATS subscription; a restart rebuilds from the
+    /// publishers) or `jetstream` (a stream that keeps them; a restart needs no publisher).
     pub ingest: Ingest,
     /// JetStream mode: the stream over `{prefix}.events.>` (created if missing; empty: the
     /// prefix upper-cased with `_EVENTS`).
     pub stream: String,
-    /// JetStream mode: seconds an event is kept. A restart replays what is kept; a worker whose
-    /// earlier events aged out is resynced from its publisher as in core mode.
+    /// JetStream mode: seconds an event is kept (a worker whose events aged out is resynced).
     pub stream_max_age: u64,
     /// JetStream mode: bytes the stream keeps at most (the oldest events go first).
     pub stream_max_bytes: i64,
     /// JetStream mode: copies of the stream (1, or 3 in a NATS cluster).
     pub stream_replicas: usize,
-    /// JetStream mode: one replica (the holder of a lease in the KV bucket `{stream}_LEASE`)
-    /// writes the index to the object store `{stream}_SNAPSHOTS` every this many seconds (0:
-    /// never by time); a restarted replica loads the newest and replays only the stream after it.
+    /// JetStream mode: the replica holding the lease (KV bucket `{stream}_LEASE`) writes the
+    /// index to the object store `{stream}_SNAPSHOTS` every this many seconds (0: never by time).
     pub snapshot_interval: u64,
     /// JetStream mode: a snapshot is also written after this many stream messages (0: never by
     /// count).
@@ -120,7 +116,7 @@ pub struct Config {
     /// ...or at most this many seconds after the broadcast.
     pub ready_timeout: u64,
     /// Seconds a shutdown may take to apply queued events and answer lookups in flight; past
-    /// it the process exits anyway (a pod must not hang terminating while NATS is away).
+    /// it the process exits anyway.
     pub shutdown_grace: u64,
 }
 

@@ -1,4 +1,4 @@
-//! The mock engine against the figures STREAM.md gives for the reference configuration, and
+//! The mock engine against the figures BENCHMARKS.md gives for the reference stream, and
 //! every backend against the reference model on a replay of the real trace.
 
 use kvindex_tools as tools;

@@ -11,27 +11,27 @@ use std::sync::Arc;
 
 /// Every metric, the gauges read from the model and the pool brought up to date first.
 fn metrics_text<I: KvIndex>(state: &State, pool: &ApplyPool<I>) -> String {
-    let m = &state.metrics;
+    let metrics = &state.metrics;
     let model = pool.model();
     let stats = model.device().stats();
-    m.index.placements.set(stats.placements as i64);
-    m.index.entries.set(stats.entries as i64);
-    m.index.hidden.set(stats.hidden as i64);
-    m.index.workers.set(stats.workers as i64);
+    metrics.index.placements.set(stats.placements as i64);
+    metrics.index.entries.set(stats.entries as i64);
+    metrics.index.hidden.set(stats.hidden as i64);
+    metrics.index.workers.set(stats.workers as i64);
     if let Some(tiers) = model.tiers() {
         for (tier, index) in tiers.each() {
-            m.index.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
+            metrics.index.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
         }
     }
-    m.durable.stream_sequence.set(state.durable.stream_seq.load(Ordering::Relaxed) as i64);
+    metrics.durable.stream_sequence.set(state.durable.stream_seq.load(Ordering::Relaxed) as i64);
     let written = state.durable.snapshot_written.load(Ordering::Relaxed);
     if written > 0 {
-        m.durable.snapshot_age.set(now_ns().saturating_sub(written) as f64 / 1e9);
+        metrics.durable.snapshot_age.set(now_ns().saturating_sub(written) as f64 / 1e9);
     }
     for (t, depth) in pool.queue_depths().into_iter().enumerate() {
-        m.index.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);
+        metrics.index.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);
     }
-    m.render()
+    metrics.render()
 }
 
 /// Serves `/metrics`, `/healthz` (alive: every apply thread runs) and `/readyz` (ready to

@@ -17,15 +17,15 @@ use std::time::Instant;
 pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
     let Some(subject_id) = subject_worker(state, pool, subject) else { return };
     let Some(EventBatch { header, events }) = decode(state, subject_id, payload) else { return };
-    let w = WorkerId::new(header.worker_id, header.dp_rank);
+    let worker = WorkerId::new(header.worker_id, header.dp_rank);
     let mut cursors = state.cursors.lock();
-    let Some((cursor, new_epoch)) = admit(state, &mut cursors, w, &header, events.len()) else { return };
+    let Some((cursor, new_epoch)) = admit(state, &mut cursors, worker, &header, events.len()) else { return };
     // A new epoch clears the worker: whole again once the `cleared` is applied.
-    let clear_after = new_epoch.then(|| state.stale.marked_at(&w)).flatten();
-    let followed = follow(state, cursor, w, &header, new_epoch, events);
+    let clear_after = new_epoch.then(|| state.stale.marked_at(&worker)).flatten();
+    let followed = follow(state, cursor, worker, &header, new_epoch, events);
     drop(cursors);
-    let clear_after = flag(state, w, &header, &followed, clear_after);
-    hand_off(state, pool, w, followed.events, header.ts_ns, clear_after);
+    let clear_after = flag(state, worker, &header, &followed, clear_after);
+    hand_off(state, pool, worker, followed.events, header.ts_ns, clear_after);
 }
 
 /// The worker id the subject names, if it may publish here: canonical decimal, not
@@ -85,33 +85,33 @@ fn decode(state: &State, subject_id: u64, payload: &[u8]) -> Option<EventBatch> 
 fn admit<'c>(
     state: &State,
     cursors: &'c mut Cursors,
-    w: WorkerId,
-    h: &BatchHeader,
+    worker: WorkerId,
+    header: &BatchHeader,
     events: usize,
 ) -> Option<(&'c mut Cursor, bool)> {
     let now = Instant::now();
-    let c = match cursors.admit(w, h.epoch, now, &state.cfg) {
-        Ok(c) => c,
+    let cursor = match cursors.admit(worker, header.epoch, now, &state.cfg) {
+        Ok(cursor) => cursor,
         Err(refusal) => {
-            refuse(state, w, refusal, events);
+            refuse(state, worker, refusal, events);
             return None;
         }
     };
-    if h.epoch < c.epoch {
+    if header.epoch < cursor.epoch {
         // A batch of the process this publisher replaced, delivered late: its events describe
         // a cache that no longer exists.
-        let current = c.epoch;
-        state.fail("old_epoch", || format!("dropped a batch of worker {w} from epoch {} (now {current})", h.epoch));
+        let current = cursor.epoch;
+        state.fail("old_epoch", || format!("dropped a batch of worker {worker} from epoch {} (now {current})", header.epoch));
         return None;
     }
-    c.last_seen = now;
-    let new_epoch = c.epoch != h.epoch;
+    cursor.last_seen = now;
+    let new_epoch = cursor.epoch != header.epoch;
     if new_epoch {
         state.metrics.ingest.epochs_changed.inc();
-        tracing::info!(worker = %w, old = c.epoch, new = h.epoch, "publisher restarted with a new epoch; clearing the worker");
-        *c = Cursor::start(h.epoch, now);
+        tracing::info!(worker = %worker, old = cursor.epoch, new = header.epoch, "publisher restarted with a new epoch; clearing the worker");
+        *cursor = Cursor::start(header.epoch, now);
     }
-    Some((c, new_epoch))
+    Some((cursor, new_epoch))
 }
 
 /// What a batch did to its worker's sequence.
@@ -135,148 +135,148 @@ struct Followed {
 /// `cleared` when the epoch is new).
 fn follow(
     state: &State,
-    c: &mut Cursor,
-    w: WorkerId,
-    h: &BatchHeader,
+    cursor: &mut Cursor,
+    worker: WorkerId,
+    header: &BatchHeader,
     new_epoch: bool,
     events: Vec<Result<KvEvent, DecodeError>>,
 ) -> Followed {
-    let m = &state.metrics;
+    let metrics = &state.metrics;
     let mut applied = Vec::with_capacity(events.len() + 1);
     if new_epoch {
         applied.push(Event::Cleared);
     }
-    let mut f =
+    let mut seen =
         Followed { events: applied, gap: false, midstream: false, opened: false, snapshot_done: false, was_incomplete: false };
     for ev in events {
         let ev = match ev {
             Ok(ev) => ev,
             Err(e) => {
-                state.fail(e.reason(), || format!("skipped an event of worker {w}: {e}"));
+                state.fail(e.reason(), || format!("skipped an event of worker {worker}: {e}"));
                 continue;
             }
         };
-        let opens_snapshot = h.snapshot && ev.data == Event::Cleared;
-        match c.next_id {
+        let opens_snapshot = header.snapshot && ev.data == Event::Cleared;
+        match cursor.next_id {
             // Nothing is known of this worker's sequence (first heard from, new epoch,
             // expired): unless it starts at event 0 or with a snapshot, events came before
             // that this index never saw.
-            None => f.midstream = ev.event_id != 0 && !opens_snapshot,
+            None => seen.midstream = ev.event_id != 0 && !opens_snapshot,
             Some(n) if ev.event_id < n => {
-                m.ingest.duplicate_events.inc();
+                metrics.ingest.duplicate_events.inc();
                 continue;
             }
             // A snapshot starts afresh, so events missed before it do not matter.
             Some(n) if ev.event_id > n && !opens_snapshot => {
-                tracing::debug!(worker = %w, expected = n, got = ev.event_id, "event gap");
-                m.ingest.event_gaps.inc();
-                f.gap = true;
-                c.snapshot_clean = false;
+                tracing::debug!(worker = %worker, expected = n, got = ev.event_id, "event gap");
+                metrics.ingest.event_gaps.inc();
+                seen.gap = true;
+                cursor.snapshot_clean = false;
             }
             _ => {}
         }
-        c.next_id = Some(ev.event_id + 1);
+        cursor.next_id = Some(ev.event_id + 1);
         if opens_snapshot {
-            c.snapshot_clean = true;
-            f.opened = true;
+            cursor.snapshot_clean = true;
+            seen.opened = true;
         }
         count_event(state, &ev.data);
-        f.events.push(ev.data);
+        seen.events.push(ev.data);
     }
-    follow_tail(state, c, w, h, &mut f);
-    f.snapshot_done = h.snapshot && h.snapshot_end && c.snapshot_clean && !f.gap;
-    if h.snapshot_end {
-        c.snapshot_clean = false;
+    follow_tail(state, cursor, worker, header, &mut seen);
+    seen.snapshot_done = header.snapshot && header.snapshot_end && cursor.snapshot_clean && !seen.gap;
+    if header.snapshot_end {
+        cursor.snapshot_clean = false;
     }
-    f.was_incomplete = std::mem::replace(&mut c.incomplete, h.incomplete);
-    f
+    seen.was_incomplete = std::mem::replace(&mut cursor.incomplete, header.incomplete);
+    seen
 }
 
 /// The publisher's next event id shows events lost at the tail (a heartbeat after them).
-fn follow_tail(state: &State, c: &mut Cursor, w: WorkerId, h: &BatchHeader, f: &mut Followed) {
-    match (h.next_event_id, c.next_id) {
+fn follow_tail(state: &State, cursor: &mut Cursor, worker: WorkerId, header: &BatchHeader, seen: &mut Followed) {
+    match (header.next_event_id, cursor.next_id) {
         (Some(n), Some(x)) if n > x => {
-            tracing::debug!(worker = %w, expected = x, next = n, "events lost at the tail");
+            tracing::debug!(worker = %worker, expected = x, next = n, "events lost at the tail");
             state.metrics.ingest.event_gaps.inc();
-            f.gap = true;
-            c.snapshot_clean = false;
-            c.next_id = Some(n);
+            seen.gap = true;
+            cursor.snapshot_clean = false;
+            cursor.next_id = Some(n);
         }
         (Some(n), None) => {
-            f.midstream |= n > 0;
-            c.next_id = Some(n);
+            seen.midstream |= n > 0;
+            cursor.next_id = Some(n);
         }
         // A heartbeat without it tells nothing of the sequence.
-        (None, None) => f.midstream = true,
+        (None, None) => seen.midstream = true,
         _ => {}
     }
 }
 
 /// Counts one event by kind (host and disk copies apart: they go to their tier's own index).
 fn count_event(state: &State, ev: &Event) {
-    let m = &state.metrics;
+    let metrics = &state.metrics;
     match ev {
         Event::Stored { tier, blocks, .. } if *tier != Tier::Device => {
-            m.ingest.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
+            metrics.ingest.non_device_blocks.with_label_values(&[tier.as_str(), "stored"]).inc_by(blocks.len() as u64);
         }
         Event::Removed { tier, hashes } if *tier != Tier::Device => {
-            m.ingest.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
+            metrics.ingest.non_device_blocks.with_label_values(&[tier.as_str(), "removed"]).inc_by(hashes.len() as u64);
         }
-        Event::Stored { .. } | Event::GroupStored { .. } => m.hot.events_stored.inc(),
-        Event::Removed { .. } | Event::GroupRemoved { .. } => m.hot.events_removed.inc(),
-        Event::Cleared => m.hot.events_cleared.inc(),
+        Event::Stored { .. } | Event::GroupStored { .. } => metrics.hot.events_stored.inc(),
+        Event::Removed { .. } | Event::GroupRemoved { .. } => metrics.hot.events_removed.inc(),
+        Event::Cleared => metrics.hot.events_cleared.inc(),
     }
 }
 
 /// What the batch makes of the worker's stale flag: marked (a gap, mid-sequence, a snapshot
 /// open, the publisher's own word that it misses blocks), or to be cleared once the batch is
 /// applied (its snapshot is done, or a new epoch began): the generation to clear it at.
-fn flag(state: &State, w: WorkerId, h: &BatchHeader, f: &Followed, mut clear_after: Option<u64>) -> Option<u64> {
-    if h.snapshot && (f.opened || h.snapshot_end) {
-        state.health.snapshot_progress(w, f.opened, h.snapshot_end);
-        let result = if f.snapshot_done {
+fn flag(state: &State, worker: WorkerId, header: &BatchHeader, seen: &Followed, mut clear_after: Option<u64>) -> Option<u64> {
+    if header.snapshot && (seen.opened || header.snapshot_end) {
+        state.health.snapshot_progress(worker, seen.opened, header.snapshot_end);
+        let result = if seen.snapshot_done {
             "complete"
-        } else if h.snapshot_end {
+        } else if header.snapshot_end {
             "gap"
         } else {
             "begun"
         };
         state.metrics.ingest.snapshots.with_label_values(&[result]).inc();
     }
-    if f.gap {
-        state.log.warn("event_gap", || format!("worker {w} skipped event ids; marked stale, asking it to resync"));
-        state.stale.mark(w, "event_gap");
-    } else if f.midstream {
+    if seen.gap {
+        state.log.warn("event_gap", || format!("worker {worker} skipped event ids; marked stale, asking it to resync"));
+        state.stale.mark(worker, "event_gap");
+    } else if seen.midstream {
         state.metrics.ingest.midstream_workers.inc();
-        state.log.warn("midstream", || format!("worker {w} first heard mid-sequence; stale until its snapshot"));
-        state.stale.mark(w, "midstream");
-    } else if f.snapshot_done {
+        state.log.warn("midstream", || format!("worker {worker} first heard mid-sequence; stale until its snapshot"));
+        state.stale.mark(worker, "midstream");
+    } else if seen.snapshot_done {
         // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
         // after this batch, unless something marks it stale again meanwhile. A snapshot opened
         // and ended in this one batch is flagged too while it is applied: between its
         // `cleared` and its stores the worker's state is partial.
-        if f.opened {
-            state.stale.mark_asked(w, "snapshot_in_progress");
+        if seen.opened {
+            state.stale.mark_asked(worker, "snapshot_in_progress");
         }
-        clear_after = state.stale.marked_at(&w);
-    } else if f.opened {
+        clear_after = state.stale.marked_at(&worker);
+    } else if seen.opened {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
-        state.stale.mark_asked(w, "snapshot_in_progress");
+        state.stale.mark_asked(worker, "snapshot_in_progress");
     }
     // The publisher's own word that its block set misses blocks (a bridge started after its
     // engine): stale while it says so, whatever a snapshot from it says; whole once it stops.
-    if h.incomplete || f.was_incomplete {
-        let flagged = state.stale.get(&w).filter(|r| r.reason == INCOMPLETE).map(|r| r.generation);
-        if h.incomplete {
+    if header.incomplete || seen.was_incomplete {
+        let flagged = state.stale.get(&worker).filter(|r| r.reason == INCOMPLETE).map(|r| r.generation);
+        if header.incomplete {
             clear_after = None;
-            if flagged.is_none() && !f.gap && !f.midstream {
-                state
-                    .log
-                    .warn("incomplete", || format!("worker {w} says it misses blocks its engine holds; stale while it does"));
-                state.stale.mark_asked(w, INCOMPLETE);
+            if flagged.is_none() && !seen.gap && !seen.midstream {
+                state.log.warn("incomplete", || {
+                    format!("worker {worker} says it misses blocks its engine holds; stale while it does")
+                });
+                state.stale.mark_asked(worker, INCOMPLETE);
             }
-        } else if flagged.is_some() && !f.gap && !f.midstream {
+        } else if flagged.is_some() && !seen.gap && !seen.midstream {
             clear_after = flagged;
         }
     }
@@ -288,21 +288,21 @@ fn flag(state: &State, w: WorkerId, h: &BatchHeader, f: &Followed, mut clear_aft
 fn hand_off<I: KvIndex>(
     state: &Arc<State>,
     pool: &ApplyPool<I>,
-    w: WorkerId,
+    worker: WorkerId,
     events: Vec<Event>,
     ts_ns: u64,
     clear_after: Option<u64>,
 ) {
     if !events.is_empty() {
-        if let Err(full) = pool.try_apply(w, events, ts_ns) {
+        if let Err(full) = pool.try_apply(worker, events, ts_ns) {
             tokio::task::block_in_place(|| pool.apply(full.worker, full.events, ts_ns));
         }
     }
     if let Some(generation) = clear_after {
         let st = state.clone();
-        let clear: Then = Box::new(move || st.stale.clear_if(w, generation));
-        if let Err(clear) = pool.try_then(w, clear) {
-            tokio::task::block_in_place(|| pool.then(w, clear));
+        let clear: Then = Box::new(move || st.stale.clear_if(worker, generation));
+        if let Err(clear) = pool.try_then(worker, clear) {
+            tokio::task::block_in_place(|| pool.then(worker, clear));
         }
     }
 }

@@ -117,19 +117,19 @@ async fn connect(cfg: &Config, events: mpsc::UnboundedSender<Event>) -> anyhow::
 fn applied_hook(state: &Arc<State>) -> OnApplied {
     let state = state.clone();
     Arc::new(move |worker, out, ts_ns, _taken| {
-        let m = &state.metrics;
-        m.hot.blocks_stored.inc_by(out.stored);
-        m.hot.blocks_removed.inc_by(out.removed);
-        m.apply.unknown_removes.inc_by(out.unknown_removes);
+        let metrics = &state.metrics;
+        metrics.hot.blocks_stored.inc_by(out.stored);
+        metrics.hot.blocks_removed.inc_by(out.removed);
+        metrics.apply.unknown_removes.inc_by(out.unknown_removes);
         // Past max_depth: ignored and counted, the worker stays whole (a resync would bring
         // the same chain back).
-        m.apply.too_deep_blocks.inc_by(out.too_deep);
+        metrics.apply.too_deep_blocks.inc_by(out.too_deep);
         // Host or disk chains whose parent is not in that tier: counted, never stale.
-        m.apply.tier_unplaceable_blocks.inc_by(out.tier_unplaceable);
+        metrics.apply.tier_unplaceable_blocks.inc_by(out.tier_unplaceable);
         // Hybrid groups' blocks without a place: the depth comes out shallower, never stale.
-        m.apply.group_missed_blocks.inc_by(out.group_missed);
+        metrics.apply.group_missed_blocks.inc_by(out.group_missed);
         if out.refused > 0 {
-            m.ingest.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
+            metrics.ingest.refused_events.with_label_values(&["registry_full"]).inc_by(out.refused);
             let max = state.cfg.max_workers;
             state.log.warn("registry_full", || {
                 format!("refused the events of worker {worker}: all {max} worker slots are taken (max_workers)")
@@ -137,7 +137,7 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
         }
         if out.over_limit > 0 {
             // Its blocks past max_blocks_per_worker are refused: its state is incomplete.
-            m.apply.over_limit_blocks.inc_by(out.over_limit);
+            metrics.apply.over_limit_blocks.inc_by(out.over_limit);
             let max = state.cfg.max_blocks_per_worker;
             state.log.warn("over_limit", || {
                 format!(
@@ -149,12 +149,12 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
         }
         if out.unplaceable > 0 {
             // Its position and prefix are unknown: the worker's state is off until a resync.
-            m.apply.unplaceable_blocks.inc_by(out.unplaceable);
+            metrics.apply.unplaceable_blocks.inc_by(out.unplaceable);
             state.stale.mark(worker, "unplaceable");
         }
         let now = now_ns();
         if ts_ns > 0 && now >= ts_ns {
-            m.ingest.event_lag.observe((now - ts_ns) as f64 / 1e9);
+            metrics.ingest.event_lag.observe((now - ts_ns) as f64 / 1e9);
         }
     })
 }

@@ -42,7 +42,7 @@ pub(super) async fn nats_events(
     mut rx: mpsc::UnboundedReceiver<Event>,
     reopen: mpsc::Sender<()>,
 ) {
-    let m = &state.metrics;
+    let metrics = &state.metrics;
     // The first connection's broadcast is sent by `run`, once the subscriptions exist.
     let mut reconnect = false;
     let mut last_loss: Option<Instant> = None;
@@ -57,7 +57,7 @@ pub(super) async fn nats_events(
             Event::Draining => "draining",
             Event::Closed => "closed",
         };
-        m.nats.events.with_label_values(&[kind]).inc();
+        metrics.nats.events.with_label_values(&[kind]).inc();
         match e {
             Event::Connected => {
                 tracing::info!("connected to NATS");
@@ -70,7 +70,7 @@ pub(super) async fn nats_events(
                     let _ = reopen.try_send(());
                 }
                 state.health.connected.store(true, Ordering::Relaxed);
-                m.nats.connected.set(1);
+                metrics.nats.connected.set(1);
                 if reconnect && !durable {
                     // Events published while we were away are lost: ask every publisher for its state.
                     broadcast_resync(&client, &state).await;
@@ -80,7 +80,7 @@ pub(super) async fn nats_events(
             Event::Disconnected | Event::Closed => {
                 state.log.warn("nats_disconnected", || format!("lost the NATS connection ({e}); reconnecting"));
                 state.health.connected.store(false, Ordering::Relaxed);
-                m.nats.connected.set(0);
+                metrics.nats.connected.set(0);
             }
             Event::SlowConsumer(_) => {
                 // The client dropped messages of ours: events of unknown workers are lost.

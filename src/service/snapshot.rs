@@ -189,9 +189,9 @@ pub(super) async fn restore<I: KvIndex>(
     let flushing = pool.clone();
     let _ = tokio::task::spawn_blocking(move || flushing.flush()).await;
     let took = began.elapsed().as_secs_f64();
-    let m = &state.metrics;
-    m.durable.snapshot_restore_seconds.set(took);
-    m.durable.snapshot_bytes.set(bytes as i64);
+    let metrics = &state.metrics;
+    metrics.durable.snapshot_restore_seconds.set(took);
+    metrics.durable.snapshot_bytes.set(bytes as i64);
     state.durable.snapshot_written.store(written_ns, Ordering::Relaxed);
     tracing::info!(
         stream_seq = snap.stream_seq,
@@ -323,10 +323,10 @@ async fn write(js: &jetstream::Context, state: &Arc<State>, cuts: &mpsc::Sender<
         }
     }
     let took = began.elapsed().as_secs_f64();
-    let m = &state.metrics;
-    m.durable.snapshot_writes.with_label_values(&["ok"]).inc();
-    m.durable.snapshot_write_seconds.set(took);
-    m.durable.snapshot_bytes.set(bytes.len() as i64);
+    let metrics = &state.metrics;
+    metrics.durable.snapshot_writes.with_label_values(&["ok"]).inc();
+    metrics.durable.snapshot_write_seconds.set(took);
+    metrics.durable.snapshot_bytes.set(bytes.len() as i64);
     state.durable.snapshot_written.store(super::now_ns(), Ordering::Relaxed);
     tracing::info!(snapshot = %name, bytes = bytes.len(), seconds = took, "wrote an index snapshot");
     Ok(Some(stream_seq))

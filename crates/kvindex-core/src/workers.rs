@@ -90,9 +90,9 @@ impl IdTable {
     /// The cell of `slot`, if its chunk exists.
     #[inline]
     fn cell(&self, slot: Slot) -> Option<&IdCell> {
-        let c = self.chunks.get(slot as usize / ID_CHUNK)?.load(Ordering::Acquire);
+        let chunk = self.chunks.get(slot as usize / ID_CHUNK)?.load(Ordering::Acquire);
         // SAFETY: chunks are published once and freed only with the table.
-        unsafe { c.as_ref() }.map(|c| &c[slot as usize % ID_CHUNK])
+        unsafe { chunk.as_ref() }.map(|cells| &cells[slot as usize % ID_CHUNK])
     }
 
     /// Writer (registry locked): the cell of `slot`, allocating its chunk.
@@ -103,40 +103,40 @@ impl IdTable {
             at.store(Box::into_raw(chunk), Ordering::Release);
         }
         match self.cell(slot) {
-            Some(c) => c,
+            Some(cell) => cell,
             None => unreachable!("the chunk was just published"),
         }
     }
 
     #[inline]
     fn get(&self, slot: Slot) -> Option<WorkerId> {
-        let c = self.cell(slot)?;
-        let rank = c.rank.load(Ordering::Acquire);
-        (rank & PRESENT != 0).then(|| WorkerId::new(c.worker_id.load(Ordering::Relaxed), rank as u32))
+        let cell = self.cell(slot)?;
+        let rank = cell.rank.load(Ordering::Acquire);
+        (rank & PRESENT != 0).then(|| WorkerId::new(cell.worker_id.load(Ordering::Relaxed), rank as u32))
     }
 
     /// Writer: `slot` is `worker`'s (the slot is free: no lookup reads its cell meanwhile).
     fn set(&self, slot: Slot, worker: WorkerId) {
-        let c = self.cell_mut(slot);
-        c.worker_id.store(worker.worker_id, Ordering::Relaxed);
-        c.rank.store(u64::from(worker.dp_rank) | PRESENT, Ordering::Release);
+        let cell = self.cell_mut(slot);
+        cell.worker_id.store(worker.worker_id, Ordering::Relaxed);
+        cell.rank.store(u64::from(worker.dp_rank) | PRESENT, Ordering::Release);
     }
 
     /// Writer: `slot` is nobody's.
     fn clear(&self, slot: Slot) {
-        if let Some(c) = self.cell(slot) {
-            c.rank.store(0, Ordering::Release);
+        if let Some(cell) = self.cell(slot) {
+            cell.rank.store(0, Ordering::Release);
         }
     }
 }
 
 impl Drop for IdTable {
     fn drop(&mut self) {
-        for c in self.chunks.iter() {
-            let p = c.load(Ordering::Relaxed);
-            if !p.is_null() {
+        for at in self.chunks.iter() {
+            let chunk = at.load(Ordering::Relaxed);
+            if !chunk.is_null() {
                 // SAFETY: the table is being dropped, so no reader is left.
-                drop(unsafe { Box::from_raw(p) });
+                drop(unsafe { Box::from_raw(chunk) });
             }
         }
     }
@@ -265,18 +265,19 @@ impl WorkerRegistry {
     pub fn name_each(&self, set: &SlotBits, mut f: impl FnMut(WorkerId)) {
         let mut at: Option<(usize, &[IdCell; ID_CHUNK])> = None;
         for (i, &word) in set.words.iter().enumerate() {
-            let mut m = word;
-            while m != 0 {
-                let slot = i * 64 + m.trailing_zeros() as usize;
-                m &= m - 1;
-                let k = slot / ID_CHUNK;
+            let mut rest = word;
+            while rest != 0 {
+                let slot = i * 64 + rest.trailing_zeros() as usize;
+                rest &= rest - 1;
+                let number = slot / ID_CHUNK;
                 let chunk = match at {
-                    Some((c, chunk)) if c == k => chunk,
+                    Some((held, chunk)) if held == number => chunk,
                     _ => {
-                        let p = self.ids.chunks.get(k).map_or(std::ptr::null_mut(), |c| c.load(Ordering::Acquire));
+                        let published =
+                            self.ids.chunks.get(number).map_or(std::ptr::null_mut(), |ptr| ptr.load(Ordering::Acquire));
                         // SAFETY: chunks are published once and freed only with the table.
-                        let Some(chunk) = (unsafe { p.as_ref() }) else { continue };
-                        at = Some((k, chunk));
+                        let Some(chunk) = (unsafe { published.as_ref() }) else { continue };
+                        at = Some((number, chunk));
                         chunk
                     }
                 };

@@ -81,11 +81,10 @@ pub fn markdown() -> String {
         "# Configuration reference\n\n\
          Every setting, generated from the code (`kvindex-tools config-reference > docs/CONFIGURATION.md`;\n\
          a test fails when this page and the code disagree).\n\n\
-         Each layer overrides the one before: the built-in default, the file (`--config FILE`, else\n\
-         `config/kvindex.toml` when present), the `KVINDEX_*` environment, the command-line flag. A key\n\
-         the file does not know is an error; a `KVINDEX_*` variable that names no key is ignored (and\n\
-         logged once). `kvindex config` prints what `serve` would run with and where each value comes\n\
-         from. Lists are written `[1, 2]`, in the environment too.\n\n\
+         Each layer overrides the one before: the default, the file (`--config FILE`, else\n\
+         `config/kvindex.toml`), the `KVINDEX_*` environment, the flag. An unknown key in the file is\n\
+         an error; an unknown `KVINDEX_*` variable is ignored. `kvindex config` prints each value's\n\
+         source. Lists are written `[1, 2]`, in the environment too.\n\n\
          ## `kvindex serve`\n\n{}\n\
          ## `kvindex bridge`\n\n\
          The bridge reads the same file: the `nats_*` keys and `prefix` above (their variables and\n\
