@@ -114,7 +114,7 @@ impl IngestMetrics {
             refused_events: counter_vec(
                 r,
                 "kvindex_refused_events_total",
-                "Events not applied because a limit was reached, by reason (registry_full: no free worker slot).",
+                "Events not applied, by reason (a limit reached: registry_full, max_workers, max_dp_ranks; name_conflict: a worker id another engine's name holds).",
                 &["reason"],
             ),
             non_device_blocks: counter_vec(
@@ -492,12 +492,17 @@ impl Metrics {
     /// Creates every labelled series a dashboard or alert reads, at zero, so that `rate()` and
     /// panels see them before the first occurrence (a series born at 1 hides its first event).
     fn with_known_series(self) -> Self {
-        let reasons =
-            DecodeError::ALL.iter().map(|e| e.reason()).chain(["bad_subject", "worker_mismatch", "old_epoch", "other_shard"]);
+        let reasons = DecodeError::ALL.iter().map(|e| e.reason()).chain([
+            "bad_subject",
+            "worker_mismatch",
+            "old_epoch",
+            "other_shard",
+            "bad_worker_info",
+        ]);
         for reason in reasons {
             self.ingest.decode_failures.with_label_values(&[reason]);
         }
-        for reason in ["registry_full", "max_workers", "max_dp_ranks"] {
+        for reason in ["registry_full", "max_workers", "max_dp_ranks", "name_conflict"] {
             self.ingest.refused_events.with_label_values(&[reason]);
         }
         for scope in ["worker", "all"] {

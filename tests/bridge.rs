@@ -15,7 +15,7 @@ use kvindex_tools::harness::Bridge;
 use parking_lot::Mutex;
 use rmpv::Value;
 use std::sync::Arc;
-use support::{eventually, free_port, http_get, metric_value, Daemon, NatsServer};
+use support::{eventually, free_port, http_get, metric_value, port_pair, Daemon, NatsServer};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn enc(v: &Value) -> Bytes {
@@ -99,16 +99,6 @@ async fn wait_depth(router: &LookupClient, query: impl Fn() -> Query, rank: u32,
     assert!(got.is_some(), "rank {rank}: depth {} instead of {want}", depth(router, query(), rank).await);
 }
 
-/// Two consecutive free ports.
-fn port_pair() -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     let nats = NatsServer::start();
@@ -122,11 +112,14 @@ async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     cfg.bridge = BridgeSettings {
         zmq: format!("tcp://127.0.0.1:{pub_port}"),
         replay: Some(format!("tcp://127.0.0.1:{replay_port}")),
-        worker_id: 5,
+        worker_id: Some(5),
+        worker_name: Some("engine-5".into()),
+        engine_url: Some("http://10.0.0.5:8000".into()),
         dp_ranks: vec![0, 1],
         block_size: Some(4),
         metrics_addr: format!("127.0.0.1:{}", free_port()),
         replay_timeout_ms: 2000,
+        ..BridgeSettings::default()
     };
     let bridge = Bridge::start(cfg).await.expect("the bridge is ready once subscribed to both ranks and connected to NATS");
     let metrics_addr = bridge.cfg.bridge.metrics_addr.clone();
@@ -146,6 +139,10 @@ async fn a_fake_engine_feeds_kvindex_through_the_bridge() {
     let ev = stored_array(ints([1, 2, 3, 4]), Value::Nil, tokens(0, 4));
     rank0.batch(enc(&arr(vec![Value::from(1.0), arr(vec![ev]), Value::Nil])), false).await;
     wait_depth(&router, || by_tokens(8), 0, 4).await;
+    // Named by the bridge: answers that ask say where worker 5 lives.
+    let named = router.lookup(&by_tokens(8).with_names()).await.expect("an answer");
+    let info = named.name_of(5).expect("worker 5 named");
+    assert_eq!((info.name.as_str(), info.url.as_deref(), info.block_size), ("engine-5", Some("http://10.0.0.5:8000"), Some(4)));
 
     // Rank 1, map batch (SGLang's attn_dp_rank), map events, i64 and 32-byte digest hashes.
     let digest = |n: u8| Value::Binary([vec![0u8; 31], vec![n]].concat());

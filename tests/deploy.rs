@@ -221,11 +221,12 @@ fn every_kvindex_command_line_of_the_kubernetes_manifests_parses() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    // The sidecar's worker id comes from the environment the manifest sets, under the name
-    // the bridge reads.
+    // The sidecar's identity comes from the environment the manifest sets, under the names
+    // the bridge reads: the pod's name, and its IP in the engine's URL.
     let sts = read("deploy/kubernetes/engine-example/statefulset.yaml");
-    assert!(sts.contains("- name: KVINDEX_BRIDGE_WORKER_ID"), "the bridge's worker id is set by KVINDEX_BRIDGE_WORKER_ID");
-    assert!(sts.contains("fieldPath: metadata.labels['apps.kubernetes.io/pod-index']"), "from the StatefulSet ordinal");
+    assert!(sts.contains("- name: KVINDEX_BRIDGE_WORKER_NAME"), "the bridge is named by KVINDEX_BRIDGE_WORKER_NAME");
+    assert!(sts.contains("fieldPath: metadata.name"), "after its pod");
+    assert!(sts.contains("- name: KVINDEX_BRIDGE_ENGINE_URL"), "with the engine's URL");
 }
 
 /// Every `kvindex_*` metric name in `text`, histogram series reduced to the histogram.

@@ -15,7 +15,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::OnceLock;
-use support::{eventually, free_port, Daemon, NatsServer};
+use support::{eventually, free_port, port_pair, Daemon, NatsServer};
 
 const WORKER: u64 = 5;
 
@@ -138,11 +138,12 @@ impl Bridge {
         cfg.bridge = BridgeSettings {
             zmq: format!("tcp://127.0.0.1:{port}"),
             replay: replay.map(|r| format!("tcp://127.0.0.1:{r}")),
-            worker_id: WORKER,
+            worker_id: Some(WORKER),
             dp_ranks: ranks,
             block_size: None,
             metrics_addr: format!("127.0.0.1:{}", free_port()),
             replay_timeout_ms: 2000,
+            ..BridgeSettings::default()
         };
         Bridge(harness::Bridge::start(cfg).await.expect("the bridge is ready once subscribed and connected to NATS"))
     }
@@ -182,16 +183,6 @@ async fn answer(router: &LookupClient, query: &Query, rank: u32) -> (u32, bool) 
 async fn wait_answer(router: &LookupClient, query: impl Fn() -> Query, rank: u32, want: (u32, bool)) {
     let got = eventually(20, || async { (answer(router, &query(), rank).await == want).then_some(()) }).await;
     assert!(got.is_some(), "rank {rank}: {:?} instead of {want:?} (depth, stale)", answer(router, &query(), rank).await);
-}
-
-/// Two consecutive free ports, for ranks 0 and 1.
-fn port_pair() -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
-            return p;
-        }
-    }
 }
 
 async fn setup() -> (support::NatsProcess, Daemon, LookupClient) {

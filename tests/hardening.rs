@@ -9,6 +9,7 @@ use support::{eventually, Daemon, NatsServer};
 fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
     EventBatch {
         header: BatchHeader { worker_id, epoch, ..BatchHeader::default() },
+        worker: None,
         events: events.into_iter().map(Ok).collect(),
     }
 }

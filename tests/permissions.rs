@@ -26,6 +26,7 @@ async fn connect(url: &str, user: &str, password: &str) -> Client {
 fn batch(worker_id: u64, epoch: u64, event_id: u64, blocks: &[(u64, u64)]) -> Vec<u8> {
     encode_batch(&EventBatch {
         header: BatchHeader { worker_id, epoch, ..BatchHeader::default() },
+        worker: None,
         events: vec![Ok(KvEvent::stored(event_id, None, blocks))],
     })
 }

@@ -260,3 +260,30 @@ async fn jetstream_acks_land_each_batch_once_under_its_message_id() {
     p.close().await;
     d.stop().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_publisher_says_what_its_engine_is_on_its_first_batch_and_every_snapshot() {
+    use kvindex_core::names::WorkerInfo;
+    let info = WorkerInfo { name: "engine-7".into(), url: Some("http://10.0.0.7:8000".into()), ..WorkerInfo::default() };
+    let cfg = PublisherConfig {
+        worker_id: 7,
+        linger: Duration::ZERO,
+        heartbeat: Duration::from_secs(3600),
+        ..PublisherConfig::named("t", info.clone(), 0)
+    };
+    let (_nats, client, mut sub, p) = start(cfg).await;
+    p.stored(None, &[StoredBlock::new(1, 10)]);
+    p.stored(Some(BlockHash(1)), &[StoredBlock::new(2, 20)]);
+    let (first, _) = next_batch(&mut sub).await;
+    let (second, _) = next_batch(&mut sub).await;
+    assert_eq!(first.worker, Some(Ok(info.clone())), "the first batch names the engine");
+    assert_eq!(second.worker, None, "a busy publisher names it once a heartbeat interval, not on every batch");
+    client.publish("t.resync", bytes::Bytes::new()).await.unwrap();
+    let (snapshot, _) = next_batch(&mut sub).await;
+    assert!(snapshot.header.snapshot);
+    assert_eq!(snapshot.worker, Some(Ok(info)), "a snapshot names it: a restarted kvindex learns it from the resync");
+    assert_eq!(
+        PublisherConfig::named("t", WorkerInfo::named("engine-7"), 0).worker_id,
+        kvindex_core::names::worker_id_for_name("engine-7")
+    );
+}

@@ -433,6 +433,7 @@ async fn a_flood_of_malformed_messages_beside_good_traffic() {
     let flood = tokio::spawn(async move {
         let good = kvindex_client::protocol::encode_batch(&kvindex_client::protocol::EventBatch {
             header: kvindex_client::protocol::BatchHeader { worker_id: 1, epoch: 1, ..Default::default() },
+            worker: None,
             events: vec![Ok(kvindex_client::protocol::KvEvent::stored(0, None, &[(1, 2), (3, 4)]))],
         });
         let mismatched = {
@@ -486,6 +487,7 @@ async fn a_burst_past_the_subscription_capacity_is_detected_and_healed() {
     let flood = connect(&nats.url()).await;
     let heartbeat = kvindex_client::protocol::encode_batch(&kvindex_client::protocol::EventBatch {
         header: kvindex_client::protocol::BatchHeader { worker_id: 99, epoch: 1, next_event_id: Some(0), ..Default::default() },
+        worker: None,
         events: vec![],
     });
     for _ in 0..5000 {

@@ -21,6 +21,7 @@ async fn slow_publisher(client: async_nats::Client) {
     let next_id = Arc::new(AtomicU64::new(1));
     let first = EventBatch {
         header: BatchHeader { worker_id: 1, epoch: 1, next_event_id: Some(1), ..BatchHeader::default() },
+        worker: None,
         events: vec![Ok(KvEvent::stored(0, None, &CHAIN))],
     };
     client.publish("t.events.1", encode_batch(&first).into()).await.unwrap();
@@ -46,6 +47,7 @@ async fn slow_publisher(client: async_nats::Client) {
                         next_event_id: Some(id + 2),
                         ..BatchHeader::default()
                     },
+                    worker: None,
                     events: vec![Ok(KvEvent { event_id: id, data: Event::Cleared }), Ok(KvEvent::stored(id + 1, None, &CHAIN))],
                 };
                 let _ = client.publish("t.events.1", encode_batch(&snapshot).into()).await;

@@ -11,7 +11,7 @@ use support::{eventually, Daemon, NatsServer};
 fn batch(worker_id: u64, epoch: u64, events: Vec<KvEvent>) -> EventBatch {
     let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
     let header = BatchHeader { worker_id, epoch, ts_ns, ..BatchHeader::default() };
-    EventBatch { header, events: events.into_iter().map(Ok).collect() }
+    EventBatch { header, worker: None, events: events.into_iter().map(Ok).collect() }
 }
 
 fn stored(id: u64, parent: Option<u64>, blocks: &[(u64, u64)]) -> KvEvent {
@@ -39,7 +39,7 @@ fn by_hashes(locals: &[u64]) -> LookupRequest {
 
 /// An answer of these matches and no stale worker without a match.
 fn answer(matches: Vec<MatchEntry>) -> LookupResponse {
-    LookupResponse::Matches { matches, groups: vec![], shard: None, missing_shards: vec![], stale_workers: vec![] }
+    LookupResponse::Matches { matches, groups: vec![], shard: None, missing_shards: vec![], stale_workers: vec![], names: vec![] }
 }
 
 fn entry(worker_id: u64, blocks: u32, stale: bool) -> MatchEntry {

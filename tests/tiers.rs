@@ -38,8 +38,14 @@ fn entry(worker_id: u64, blocks: u32, host: Option<u32>, disk: Option<u32>) -> M
 }
 
 async fn expect(c: &async_nats::Client, req: &LookupRequest, want: Vec<MatchEntry>) {
-    let want =
-        LookupResponse::Matches { matches: want, groups: vec![], shard: None, missing_shards: vec![], stale_workers: vec![] };
+    let want = LookupResponse::Matches {
+        matches: want,
+        groups: vec![],
+        shard: None,
+        missing_shards: vec![],
+        stale_workers: vec![],
+        names: vec![],
+    };
     let got = eventually(10, || async { (lookup(c, req).await == want).then_some(()) }).await;
     assert!(got.is_some(), "{req:?}: wanted {want:?}, got {:?}", lookup(c, req).await);
 }
@@ -106,7 +112,14 @@ async fn bad_tiers_and_oversized_filters_get_error_replies() {
     let fits = LookupRequest { block_hashes: Some(vec![1]), workers: Some((0..8).collect()), ..Default::default() };
     assert_eq!(
         lookup(&c, &fits).await,
-        LookupResponse::Matches { matches: vec![], groups: vec![], shard: None, missing_shards: vec![], stale_workers: vec![] }
+        LookupResponse::Matches {
+            matches: vec![],
+            groups: vec![],
+            shard: None,
+            missing_shards: vec![],
+            stale_workers: vec![],
+            names: vec![]
+        }
     );
     assert_eq!(d.metric("kvindex_lookups_total{result=\"error\"}").await, 3.0);
     d.stop().await.unwrap();

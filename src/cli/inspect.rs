@@ -86,8 +86,8 @@ pub fn read_tokens(path: &std::path::Path) -> Result<Vec<u32>> {
 /// The workers as a table, then the workers dropped lately.
 pub fn workers_table(all: &[Value]) -> String {
     let mut s = format!(
-        "{:>20} {:>5} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
-        "worker", "rank", "device", "host", "disk", "predicted", "epoch", "next event", "heard ms", "queued", "stale"
+        "{:>20} {:>5} {:>20} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
+        "worker", "rank", "name", "device", "host", "disk", "predicted", "epoch", "next event", "heard ms", "queued", "stale"
     );
     let mut expired = &Vec::new();
     for w in all {
@@ -105,10 +105,11 @@ pub fn workers_table(all: &[Value]) -> String {
             ),
         };
         s += &format!(
-            "{:>20} {:>5} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
+            "{:>20} {:>5} {:>20} {:>10} {:>8} {:>8} {:>9} {:>20} {:>12} {:>10} {:>7}  {}\n",
             // As strings: a JSON value's Display ignores the column widths.
             w["worker_id"].to_string(),
             w["dp_rank"].to_string(),
+            w["name"].as_str().unwrap_or("-"),
             w["blocks"]["device"].to_string(),
             w["blocks"]["host"].to_string(),
             w["blocks"]["disk"].to_string(),
@@ -133,12 +134,14 @@ pub fn workers_table(all: &[Value]) -> String {
 pub fn answer_table(resp: &LookupResponse) -> String {
     match resp {
         LookupResponse::Error { error } => format!("error: {error}\n"),
-        LookupResponse::Matches { matches, groups, stale_workers, .. } => {
-            let mut s = format!("{:>20} {:>5} {:>8} {:>6}\n", "worker", "rank", "blocks", "stale");
+        LookupResponse::Matches { matches, groups, stale_workers, names, .. } => {
+            let mut s = format!("{:>20} {:>5} {:>8} {:>6}  {}\n", "worker", "rank", "blocks", "stale", "name");
             let grouped: Vec<_> = groups.iter().flat_map(kvindex_client::protocol::MatchGroup::entries).collect();
             let matches = if matches.is_empty() { &grouped } else { matches };
+            let name = |id: u64| names.iter().find(|n| n.worker_id == id).map_or("-", |n| n.info.name.as_str());
             for m in matches {
-                s += &format!("{:>20} {:>5} {:>8} {:>6}\n", m.worker_id, m.dp_rank, m.blocks, if m.stale { "yes" } else { "" });
+                let stale = if m.stale { "yes" } else { "" };
+                s += &format!("{:>20} {:>5} {:>8} {:>6}  {}\n", m.worker_id, m.dp_rank, m.blocks, stale, name(m.worker_id));
             }
             if matches.is_empty() {
                 s += "no worker holds the first block\n";

@@ -291,6 +291,7 @@ fn lookup_cmd(a: LookupArgs) -> Result<()> {
         salt: a.salt,
         lookahead: a.lookahead,
         max_matches: a.max_matches,
+        names: true,
         ..Default::default()
     };
     let resp = block_on(a.inspect.api().lookup(&req))?;

@@ -1,10 +1,11 @@
-//! A lookup request answered from the model, in the wire's form: what NATS lookups and the
-//! inspect API's `POST /v1/lookup` both reply. The model composes the answer; this checks the
-//! request against the daemon's limits, answers again when a stale flag was cleared while it
-//! answered, and cuts the answer to what one NATS message holds.
+//! A lookup request answered from the model, in the wire's form: what NATS lookups, the
+//! inspect API's `POST /v1/lookup` and the query API all reply. The model composes the answer;
+//! this checks the request against the daemon's limits, answers again when a stale flag was
+//! cleared while it answered, cuts the answer to what one NATS message holds, and, for the
+//! HTTP APIs, answers for the whole of a sharded deployment.
 
 use super::State;
-use kvindex_client::protocol::{LookupRequest, LookupResponse};
+use kvindex_client::protocol::{LookupRequest, LookupResponse, NamedWorker};
 use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::model::{Answer, Model};
 use kvindex_core::Tier;
@@ -49,13 +50,73 @@ pub(super) fn respond<I: KvIndex>(
                 }
                 LookupResponse::from_answer(answer, req.grouped, room, state.cfg.shard_of())
             });
-            (resp, true)
+            (if req.names { named(state, resp) } else { resp }, true)
         }
         Err(error) => {
             state.log.warn("bad_lookup", || format!("lookup request rejected: {error}"));
             (LookupResponse::Error { error }, false)
         }
     }
+}
+
+/// How long the HTTP APIs wait for the other shards of a sharded deployment.
+const SHARDS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Why the deployment gave no answer.
+pub(super) enum NoAnswer {
+    /// The request is wrong; the reason goes back to the asker.
+    Rejected(String),
+    /// No shard answered, or NATS failed.
+    Unreachable(String),
+}
+
+/// A request answered for the whole deployment, every match (HTTP has no message limit): this
+/// daemon's model when it is not sharded, else every shard over NATS, merged as a router's
+/// [`LookupClient`](kvindex_client::LookupClient) merges them, the shards that did not answer
+/// named in `missing_shards`.
+pub(super) async fn deployment_answer<I: KvIndex>(
+    state: &State,
+    model: &Model<I>,
+    client: &async_nats::Client,
+    req: LookupRequest,
+) -> Result<LookupResponse, NoAnswer> {
+    if state.cfg.shard_of().is_none() {
+        return match respond(state, model, usize::MAX, Ok(req)) {
+            (resp, true) => Ok(resp),
+            (LookupResponse::Error { error }, false) => Err(NoAnswer::Rejected(error)),
+            (_, false) => Err(NoAnswer::Rejected("refused".into())),
+        };
+    }
+    let lookups = kvindex_client::LookupClient::new(client.clone(), &state.cfg.prefix).with_timeout(SHARDS_WAIT);
+    let grouped = req.grouped;
+    let query = kvindex_client::Query { request: LookupRequest { grouped: true, ..req } };
+    match lookups.lookup(&query).await {
+        Ok(a) => Ok(LookupResponse::Matches {
+            matches: if grouped { Vec::new() } else { a.matches },
+            groups: if grouped { a.groups } else { Vec::new() },
+            shard: None,
+            missing_shards: a.missing_shards,
+            stale_workers: a.stale_workers,
+            names: a.names,
+        }),
+        Err(kvindex_client::ClientError::Rejected(error)) => Err(NoAnswer::Rejected(error)),
+        Err(e) => Err(NoAnswer::Unreachable(e.to_string())),
+    }
+}
+
+/// The answer with what each of its named workers said it is.
+fn named(state: &State, mut resp: LookupResponse) -> LookupResponse {
+    if let LookupResponse::Matches { matches, groups, stale_workers, names, .. } = &mut resp {
+        let mut ids: Vec<u64> = matches.iter().map(|m| m.worker_id).collect();
+        ids.extend(groups.iter().flat_map(|g| g.workers.iter().map(|w| w.0)));
+        ids.extend(stale_workers.iter().map(|w| w.worker_id));
+        ids.sort_unstable();
+        ids.dedup();
+        names.extend(ids.into_iter().filter_map(|id| {
+            state.names.get(&id).map(|info| NamedWorker { worker_id: id, info: info.value().as_ref().clone() })
+        }));
+    }
+    resp
 }
 
 /// The limits a request must keep, and its tiers: a `workers` filter longer than the workers

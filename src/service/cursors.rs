@@ -1,10 +1,18 @@
 //! Each worker's place in its event sequence (epoch, next event id, last heard, snapshot
-//! state), with the bounds that keep one publisher from taking every slot.
+//! state), with the bounds that keep one publisher from taking every slot, and the rule that
+//! a worker id has one name while it lives.
 
 use crate::config::Config;
 use kvindex_core::hash::WorkerId;
+use kvindex_core::names::WorkerInfo;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+/// Each named worker id's info. Written under the cursors' lock (by ingest, only when a
+/// publisher's info changes, and when its last rank expires); read by lookups and the HTTP
+/// APIs without that lock. Its keys are tracked worker ids: bounded by `max_workers`.
+pub(super) type Names = dashmap::DashMap<u64, Arc<WorkerInfo>>;
 
 /// Where a worker's event sequence stands.
 pub(super) struct Cursor {
@@ -29,26 +37,51 @@ impl Cursor {
 
 /// Every worker's cursor, with what bounds them: each `(worker, dp rank)` costs state here and
 /// a slot in the index, so one publisher must not take them all.
-#[derive(Default)]
 pub(super) struct Cursors {
     /// Each tracked (worker, dp rank)'s cursor.
     by_worker: HashMap<WorkerId, Cursor>,
     /// dp ranks tracked per worker id.
     ranks: HashMap<u64, u32>,
+    /// The names of the tracked worker ids that gave one; an entry goes with its last rank.
+    names: Arc<Names>,
 }
 
-/// Why a new worker was not tracked.
-#[derive(Clone, Copy)]
+/// Why a batch's worker was not tracked, or its batch not taken.
+#[derive(Clone, Debug)]
 pub(super) enum Refusal {
     /// `max_workers` (worker, dp rank) pairs are tracked already.
     Workers,
     /// This worker id has `max_dp_ranks` ranks tracked already.
     DpRanks,
+    /// The worker id is another engine's, by this name, while that one lives.
+    OtherName(String),
+    /// A batch of a new epoch without the name of the engine that holds the worker id: a
+    /// publisher that names itself does so on the first batch of every epoch.
+    Unnamed,
 }
 
 impl Cursors {
-    /// The cursor of `w`, created if the limits allow.
-    pub(super) fn admit(&mut self, w: WorkerId, epoch: u64, now: Instant, cfg: &Config) -> Result<&mut Cursor, Refusal> {
+    /// No worker yet; names go to `names`.
+    pub(super) fn new(names: Arc<Names>) -> Cursors {
+        Cursors { by_worker: HashMap::new(), ranks: HashMap::new(), names }
+    }
+
+    /// The cursor of `w`, created if the limits allow, for a batch of `epoch` that says it is
+    /// `info` (or says nothing): one name per worker id while it lives.
+    pub(super) fn admit(
+        &mut self,
+        w: WorkerId,
+        epoch: u64,
+        info: Option<&WorkerInfo>,
+        now: Instant,
+        cfg: &Config,
+    ) -> Result<&mut Cursor, Refusal> {
+        let held = self.names.get(&w.worker_id).map(|n| n.value().clone());
+        match (&held, info) {
+            (Some(held), Some(info)) if held.name != info.name => return Err(Refusal::OtherName(held.name.clone())),
+            (Some(_), None) if self.by_worker.get(&w).is_some_and(|c| epoch > c.epoch) => return Err(Refusal::Unnamed),
+            _ => {}
+        }
         if !self.by_worker.contains_key(&w) {
             if self.by_worker.len() >= cfg.max_workers as usize {
                 return Err(Refusal::Workers);
@@ -58,6 +91,9 @@ impl Cursors {
                 return Err(Refusal::DpRanks);
             }
             *ranks += 1;
+        }
+        if let Some(info) = info.filter(|i| held.as_deref() != Some(*i)) {
+            self.names.insert(w.worker_id, Arc::new(info.clone()));
         }
         Ok(self.by_worker.entry(w).or_insert(Cursor::start(epoch, now)))
     }
@@ -88,6 +124,7 @@ impl Cursors {
                 *n -= 1;
                 if *n == 0 {
                     self.ranks.remove(&w.worker_id);
+                    self.names.remove(&w.worker_id);
                 }
             }
         }

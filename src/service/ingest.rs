@@ -9,6 +9,7 @@ use crate::apply::{ApplyPool, Then};
 use kvindex_client::protocol::{decode_batch, BatchHeader, DecodeError, EventBatch, KvEvent};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
+use kvindex_core::names::WorkerInfo;
 use kvindex_core::{Event, Tier};
 use std::sync::Arc;
 use std::time::Instant;
@@ -16,10 +17,13 @@ use std::time::Instant;
 /// Applies one message from `{prefix}.events.{worker_id}`.
 pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
     let Some(subject_id) = subject_worker(state, pool, subject) else { return };
-    let Some(EventBatch { header, events }) = decode(state, subject_id, payload) else { return };
+    let Some(EventBatch { header, worker: info, events }) = decode(state, subject_id, payload) else { return };
     let worker = WorkerId::new(header.worker_id, header.dp_rank);
+    let info = info.and_then(|i| {
+        i.map_err(|why| state.fail("bad_worker_info", || format!("ignored what worker {worker} says it is: {why}"))).ok()
+    });
     let mut cursors = state.cursors.lock();
-    let Some((cursor, new_epoch)) = admit(state, &mut cursors, worker, &header, events.len()) else { return };
+    let Some((cursor, new_epoch)) = admit(state, &mut cursors, worker, &header, info.as_ref(), events.len()) else { return };
     // A new epoch clears the worker: whole again once the `cleared` is applied.
     let clear_after = new_epoch.then(|| state.stale.marked_at(&worker)).flatten();
     let followed = follow(state, cursor, worker, &header, new_epoch, events);
@@ -87,10 +91,11 @@ fn admit<'c>(
     cursors: &'c mut Cursors,
     worker: WorkerId,
     header: &BatchHeader,
+    info: Option<&WorkerInfo>,
     events: usize,
 ) -> Option<(&'c mut Cursor, bool)> {
     let now = Instant::now();
-    let cursor = match cursors.admit(worker, header.epoch, now, &state.cfg) {
+    let cursor = match cursors.admit(worker, header.epoch, info, now, &state.cfg) {
         Ok(cursor) => cursor,
         Err(refusal) => {
             refuse(state, worker, refusal, events);
@@ -311,7 +316,7 @@ fn hand_off<I: KvIndex>(
 /// a new worker; false (counted and logged) if it cannot be tracked.
 pub(super) fn resume(state: &State, w: WorkerId, epoch: u64, next_id: Option<u64>) -> bool {
     let mut cursors = state.cursors.lock();
-    match cursors.admit(w, epoch, Instant::now(), &state.cfg) {
+    match cursors.admit(w, epoch, None, Instant::now(), &state.cfg) {
         Ok(c) => {
             c.epoch = epoch;
             c.next_id = next_id;
@@ -333,6 +338,17 @@ fn refuse(state: &State, w: WorkerId, refusal: Refusal, events: usize) {
         Refusal::DpRanks => {
             ("max_dp_ranks", format!("worker id {} already has {} dp ranks (max_dp_ranks)", w.worker_id, state.cfg.max_dp_ranks))
         }
+        Refusal::OtherName(held) => (
+            "name_conflict",
+            format!("worker id {} is the engine named {held:?}'s while it lives; is a publisher misconfigured?", w.worker_id),
+        ),
+        Refusal::Unnamed => (
+            "name_conflict",
+            format!(
+                "a batch of a new epoch does not name the engine that holds worker id {}; is a second publisher using it?",
+                w.worker_id
+            ),
+        ),
     };
     state.metrics.ingest.refused_events.with_label_values(&[reason]).inc_by(events.max(1) as u64);
     state.log.warn(reason, || format!("refused the batches of worker {w}: {why}"));

@@ -16,7 +16,7 @@
 //!
 //! With `inspect_token` set, every request needs `Authorization: Bearer <token>`.
 
-use super::answer::respond;
+use super::answer::{deployment_answer, NoAnswer};
 use super::State;
 use crate::apply::ApplyPool;
 use axum::extract::{Path, Query, Request, State as Ctx};
@@ -25,10 +25,11 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvindex_client::protocol::{entries_that_fit, LookupRequest, LookupResponse, ShardOf};
+use kvindex_client::protocol::{LookupRequest, LookupResponse, ShardOf};
 use kvindex_client::shards;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
+use kvindex_core::names::WorkerInfo;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Instant;
@@ -99,6 +100,9 @@ struct Stale {
 struct Worker {
     worker_id: u64,
     dp_rank: u32,
+    /// What its publisher says it is (name, URL, model, block size), if it said.
+    #[serde(flatten)]
+    info: Option<WorkerInfo>,
     blocks: Blocks,
     epoch: u64,
     /// The event id expected next (none until its first event of the epoch).
@@ -179,6 +183,7 @@ impl<I: KvIndex> LocalView<'_, I> {
                 Worker {
                     worker_id: w.worker_id,
                     dp_rank: w.dp_rank,
+                    info: cx.state.names.get(&w.worker_id).map(|i| i.value().as_ref().clone()),
                     blocks: Blocks {
                         device: h.map_or(0, |h| h.device),
                         host: h.map_or(0, |h| h.host),
@@ -382,31 +387,18 @@ async fn blocks<I: KvIndex>(
 }
 
 async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Bytes) -> Response {
-    let req = serde_json::from_slice::<LookupRequest>(&body).map_err(|e| format!("not a lookup request: {e}"));
-    if let (Some(_), Ok(req)) = (cx.state.cfg.shard_of(), &req) {
-        // The whole deployment: every shard over NATS, merged as a router's client merges.
-        let lookups = kvindex_client::LookupClient::new(cx.client.clone(), &cx.state.cfg.prefix).with_timeout(SHARDS_WAIT);
-        let query = kvindex_client::Query { request: LookupRequest { grouped: true, ..req.clone() } };
-        return match lookups.lookup(&query).await {
-            Ok(a) => {
-                let resp = LookupResponse::Matches {
-                    matches: if req.grouped { Vec::new() } else { a.matches },
-                    groups: if req.grouped { a.groups } else { Vec::new() },
-                    shard: None,
-                    missing_shards: a.missing_shards,
-                    stale_workers: a.stale_workers,
-                };
-                (StatusCode::OK, Json(resp)).into_response()
-            }
-            Err(kvindex_client::ClientError::Rejected(error)) => {
-                (StatusCode::BAD_REQUEST, Json(LookupResponse::Error { error })).into_response()
-            }
-            Err(e) => error(StatusCode::BAD_GATEWAY, &e.to_string()),
-        };
+    let req = match serde_json::from_slice::<LookupRequest>(&body) {
+        Ok(req) => req,
+        Err(e) => {
+            return (StatusCode::BAD_REQUEST, Json(LookupResponse::Error { error: format!("not a lookup request: {e}") }))
+                .into_response()
+        }
+    };
+    match deployment_answer(&cx.state, cx.pool.model(), &cx.client, req).await {
+        Ok(resp) => (StatusCode::OK, Json(resp)).into_response(),
+        Err(NoAnswer::Rejected(error)) => (StatusCode::BAD_REQUEST, Json(LookupResponse::Error { error })).into_response(),
+        Err(NoAnswer::Unreachable(why)) => error(StatusCode::BAD_GATEWAY, &why),
     }
-    let (resp, ok) = respond(&cx.state, cx.pool.model(), entries_that_fit(1 << 20), req);
-    let status = if ok { StatusCode::OK } else { StatusCode::BAD_REQUEST };
-    (status, Json(resp)).into_response()
 }
 
 /// `{"error": why}` with `status`.

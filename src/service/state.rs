@@ -2,7 +2,7 @@
 //! subjects it names, the metrics and a rate-limited log, each worker's event sequence, the
 //! stale workers, the replica's health, and its place in a durable stream.
 
-use super::cursors::Cursors;
+use super::cursors::{Cursors, Names};
 use super::health::{Health, RebuildWait};
 use super::stale::Stale;
 use crate::config::{Config, Ingest};
@@ -73,6 +73,8 @@ pub(super) struct State {
     pub(super) log: RateLimitedLog,
     /// Each worker's event sequence.
     pub(super) cursors: Mutex<Cursors>,
+    /// What the named workers say they are, read without the cursors' lock.
+    pub(super) names: Arc<Names>,
     /// The stale workers.
     pub(super) stale: Stale,
     /// The workers dropped last for silence past `worker_ttl`, and when (the newest last, at
@@ -89,10 +91,12 @@ impl State {
     pub(super) fn new(cfg: Config, metrics: Arc<Metrics>, resync: mpsc::UnboundedSender<WorkerId>) -> State {
         let wait =
             RebuildWait { settle: Duration::from_millis(cfg.ready_settle_ms), timeout: Duration::from_secs(cfg.ready_timeout) };
+        let names = Arc::new(Names::default());
         State {
+            cursors: Mutex::new(Cursors::new(names.clone())),
+            names,
             subjects: Subjects { events_prefix: format!("{}.events.", cfg.prefix), shard_suffix: cfg.shard_suffix() },
             log: RateLimitedLog { last: Mutex::new(HashMap::new()), every: Duration::from_secs(10) },
-            cursors: Mutex::new(Cursors::default()),
             stale: Stale::new(resync, metrics.clone()),
             expired: Mutex::new(VecDeque::new()),
             health: Health::new(cfg.ingest == Ingest::Jetstream, wait, metrics.clone()),

@@ -13,6 +13,11 @@ pub fn free_port() -> u16 {
     harness::free_port().expect("a free port")
 }
 
+/// Two consecutive free ports, the first returned.
+pub fn port_pair() -> u16 {
+    harness::free_port_pair().expect("two consecutive free ports")
+}
+
 /// A NATS server of the test's own, on loopback, stopped on drop.
 pub struct NatsServer;
 
@@ -112,7 +117,7 @@ pub async fn publish(c: &async_nats::Client, worker: u64, events: Vec<kvindex_cl
     use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch};
     let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
     let header = BatchHeader { worker_id: worker, epoch: 1, ts_ns, ..BatchHeader::default() };
-    let b = EventBatch { header, events: events.into_iter().map(Ok).collect() };
+    let b = EventBatch { header, worker: None, events: events.into_iter().map(Ok).collect() };
     c.publish(format!("t.events.{worker}"), encode_batch(&b).into()).await.expect("published");
     c.flush().await.expect("flushed");
 }

@@ -4,6 +4,7 @@
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::Figment;
+use kvindex_client::core::names::WorkerInfo;
 use kvindex_client::nats::NatsSettings;
 use kvindex_client::protocol::check_prefix;
 use serde::{Deserialize, Serialize};
@@ -19,8 +20,16 @@ pub struct BridgeSettings {
     /// The engine's ZMQ ROUTER for replay (rank 0; rank r on its port + r); none: a gap
     /// cannot be replayed and starts a new epoch instead.
     pub replay: Option<String>,
-    /// The worker id the engine's blocks are published under.
-    pub worker_id: u64,
+    /// The worker id the engine's blocks are published under; none: the id `worker_name`
+    /// stands for. One of the two is needed.
+    pub worker_id: Option<u64>,
+    /// The engine's name (its pod name, say): unique in the fleet, listed by kvindex and put
+    /// in answers for routers.
+    pub worker_name: Option<String>,
+    /// Where routers send this engine requests (its serving URL), put beside its name.
+    pub engine_url: Option<String>,
+    /// The model the engine serves, as it names it.
+    pub model: Option<String>,
     /// The engine's data-parallel ranks, one ZMQ endpoint each.
     pub dp_ranks: Vec<u32>,
     /// Tokens per block, for events that do not carry `block_size`.
@@ -36,7 +45,10 @@ impl Default for BridgeSettings {
         BridgeSettings {
             zmq: "tcp://127.0.0.1:5557".into(),
             replay: None,
-            worker_id: 0,
+            worker_id: None,
+            worker_name: None,
+            engine_url: None,
+            model: None,
             dp_ranks: vec![0],
             block_size: None,
             metrics_addr: "0.0.0.0:9465".into(),
@@ -57,10 +69,22 @@ pub struct BridgeFlags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub replay: Option<String>,
-    /// Worker id to publish the engine's blocks under.
+    /// Worker id to publish the engine's blocks under (default: the id --worker-name stands for).
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub worker_id: Option<u64>,
+    /// The engine's name, unique in the fleet (a pod name): kvindex lists it and routers read it.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub worker_name: Option<String>,
+    /// Where routers send this engine requests (its serving URL).
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub engine_url: Option<String>,
+    /// The model the engine serves.
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
     /// The engine's data-parallel ranks.
     #[arg(long, value_delimiter = ',')]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -146,7 +170,36 @@ impl BridgeConfig {
         if self.bridge.metrics_addr.parse::<std::net::SocketAddr>().is_err() {
             return bad("bridge: metrics_addr: must be host:port with an IP address".into());
         }
+        let b = &self.bridge;
+        if b.worker_id.is_none() && b.worker_name.is_none() {
+            return bad("bridge: give the engine a worker_name (--worker-name, e.g. its pod name) or a worker_id: \
+                without either, every such bridge would publish as one worker"
+                .into());
+        }
+        if b.worker_name.is_none() && (b.engine_url.is_some() || b.model.is_some()) {
+            return bad("bridge: engine_url and model are said beside a worker_name: give one".into());
+        }
+        if let Some(Err(why)) = self.worker().map(|w| w.check()) {
+            return bad(format!("bridge: worker_name, engine_url, model: {why}"));
+        }
         Ok(())
+    }
+
+    /// What the bridge says its engine is, when it has a name.
+    pub fn worker(&self) -> Option<WorkerInfo> {
+        let b = &self.bridge;
+        Some(WorkerInfo {
+            name: b.worker_name.clone()?,
+            url: b.engine_url.clone(),
+            model: b.model.clone(),
+            block_size: b.block_size,
+        })
+    }
+
+    /// The worker id the engine's blocks are published under: `worker_id`, or the one its
+    /// name stands for.
+    pub fn worker_id(&self) -> u64 {
+        self.bridge.worker_id.or_else(|| self.worker().map(|w| w.worker_id())).unwrap_or_default()
     }
 }
 
@@ -175,7 +228,7 @@ mod tests {
             assert_eq!(cfg.prefix, "p", "the file's key; the daemon's other keys are not the bridge's business");
             assert_eq!(cfg.nats.nats_url, "nats://from-env:4222");
             assert_eq!(cfg.bridge.zmq, "tcp://engine:5557");
-            assert_eq!((cfg.bridge.worker_id, cfg.bridge.dp_ranks, cfg.bridge.block_size), (4, vec![0, 1, 2], Some(16)));
+            assert_eq!((cfg.bridge.worker_id, cfg.bridge.dp_ranks, cfg.bridge.block_size), (Some(4), vec![0, 1, 2], Some(16)));
             let flagged =
                 BridgeConfig::load(Some(Path::new("b.toml")), Some("nats://flag:4222".into()), Some("q".into()), &flags)
                     .map_err(figment::Error::from)?;
@@ -190,11 +243,46 @@ mod tests {
     #[test]
     fn bad_values_name_their_key() {
         Jail::expect_with(|jail| {
-            jail.create_file("r.toml", "[bridge]\ndp_ranks = []\n")?;
+            jail.create_file("r.toml", "[bridge]\nworker_id = 1\ndp_ranks = []\n")?;
             let err = BridgeConfig::load(Some(Path::new("r.toml")), None, None, &BridgeFlags::default()).unwrap_err();
             assert!(err.contains("dp_ranks"), "{err}");
-            let err = BridgeConfig::load(None, None, Some("a.*".into()), &BridgeFlags::default()).unwrap_err();
+            let id = BridgeFlags { worker_id: Some(1), ..Default::default() };
+            let err = BridgeConfig::load(None, None, Some("a.*".into()), &id).unwrap_err();
             assert!(err.contains("prefix"), "{err}");
+            let url_alone = BridgeFlags { engine_url: Some("http://e:8000".into()), ..id.clone() };
+            let err = BridgeConfig::load(None, None, None, &url_alone).unwrap_err();
+            assert!(err.contains("worker_name"), "{err}");
+            let long = BridgeFlags { worker_name: Some("x".repeat(300)), ..Default::default() };
+            let err = BridgeConfig::load(None, None, None, &long).unwrap_err();
+            assert!(err.contains("worker_name"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_bridge_without_an_identity_does_not_start() {
+        Jail::expect_with(|_| {
+            let err = BridgeConfig::load(None, None, None, &BridgeFlags::default()).unwrap_err();
+            assert!(err.contains("worker_name") && err.contains("worker_id"), "{err}");
+            Ok(())
+        });
+    }
+
+    #[test]
+    fn a_named_engine_is_published_under_the_id_its_name_stands_for() {
+        Jail::expect_with(|jail| {
+            jail.set_env("KVINDEX_BRIDGE_WORKER_NAME", "vllm-7f9c");
+            jail.set_env("KVINDEX_BRIDGE_ENGINE_URL", "http://10.0.0.7:8000");
+            let flags = BridgeFlags { block_size: Some(16), model: Some("llama".into()), ..Default::default() };
+            let cfg = BridgeConfig::load(None, None, None, &flags).map_err(figment::Error::from)?;
+            let info = cfg.worker().expect("named");
+            assert_eq!(cfg.worker_id(), kvindex_client::core::names::worker_id_for_name("vllm-7f9c"));
+            assert_eq!(
+                (info.name.as_str(), info.url.as_deref(), info.model.as_deref(), info.block_size),
+                ("vllm-7f9c", Some("http://10.0.0.7:8000"), Some("llama"), Some(16))
+            );
+            let numbered = BridgeFlags { worker_id: Some(9), ..flags };
+            assert_eq!(BridgeConfig::load(None, None, None, &numbered).map_err(figment::Error::from)?.worker_id(), 9);
             Ok(())
         });
     }

@@ -38,7 +38,7 @@ pub async fn run(cfg: BridgeConfig, shutdown: impl Future<Output = ()> + Send) -
         .await
         .with_context(|| format!("binding bridge metrics_addr {}", b.metrics_addr))?;
     let nats = cfg.nats.connect("kvindex-bridge").await?;
-    tracing::info!(zmq = %b.zmq, replay = ?b.replay, worker = b.worker_id, ranks = ?b.dp_ranks, nats = %cfg.nats.nats_url, prefix = %cfg.prefix, "kvindex bridge running");
+    tracing::info!(zmq = %b.zmq, replay = ?b.replay, worker = cfg.worker_id(), name = ?b.worker_name, ranks = ?b.dp_ranks, nats = %cfg.nats.nats_url, prefix = %cfg.prefix, "kvindex bridge running");
     let http = tokio::spawn(metrics::serve(listener, metrics.clone(), nats.clone(), b.dp_ranks.clone()));
     let mut ranks = Vec::new();
     for &rank in &b.dp_ranks {

@@ -60,7 +60,7 @@ impl RankBridge {
         metrics: Arc<BridgeMetrics>,
     ) -> anyhow::Result<Self> {
         let b: &BridgeSettings = &cfg.bridge;
-        let publisher_cfg = PublisherConfig::new(&cfg.prefix, b.worker_id, rank);
+        let publisher_cfg = PublisherConfig { worker: cfg.worker(), ..PublisherConfig::new(&cfg.prefix, cfg.worker_id(), rank) };
         let publisher = Publisher::start(nats.clone(), publisher_cfg.clone()).await?;
         Ok(RankBridge {
             rank,

@@ -27,7 +27,7 @@ fn bench_decode(c: &mut Criterion) {
         })
         .collect();
     let header = BatchHeader { worker_id: 3, epoch: 1, ts_ns: 1, next_event_id: Some(256), ..BatchHeader::default() };
-    let batch = EventBatch { header, events };
+    let batch = EventBatch { header, worker: None, events };
     let bytes = encode_batch(&batch);
     let mut g = c.benchmark_group("protocol");
     g.throughput(Throughput::Elements(256 * 16));

@@ -16,10 +16,11 @@
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, Routed, ShardOf, WorkerRef};
-use crate::shards::{answered, merge, one_count, ShardAnswer};
+use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, NamedWorker, Routed, ShardOf, WorkerRef};
+use crate::shards::{answered, merge, one_count, partition, ShardAnswer};
 use async_nats::{Client, RequestErrorKind, Subject};
 use futures::StreamExt;
+use kvindex_core::names::WorkerInfo;
 use kvindex_core::LocalHash;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
@@ -30,21 +31,22 @@ struct Reply {
     matches: Vec<MatchEntry>,
     groups: Vec<MatchGroup>,
     stale_workers: Vec<WorkerRef>,
+    names: Vec<NamedWorker>,
 }
 
 impl Reply {
     fn into_answer(self, shards: u32, missing_shards: Vec<u32>) -> Answer {
         let matches =
             if self.matches.is_empty() { self.groups.iter().flat_map(MatchGroup::entries).collect() } else { self.matches };
-        Answer { matches, groups: self.groups, stale_workers: self.stale_workers, missing_shards, shards }
+        Answer { matches, groups: self.groups, stale_workers: self.stale_workers, missing_shards, shards, names: self.names }
     }
 }
 
 /// A reply's matches and, from a shard, which shard of how many it is.
 fn decode(payload: &[u8]) -> Result<(Reply, Option<ShardOf>), ClientError> {
     match rmp_serde::from_slice::<LookupResponse>(payload) {
-        Ok(LookupResponse::Matches { matches, groups, stale_workers, shard, .. }) => {
-            Ok((Reply { matches, groups, stale_workers }, shard.filter(|s| s.shards > 1)))
+        Ok(LookupResponse::Matches { matches, groups, stale_workers, shard, names, .. }) => {
+            Ok((Reply { matches, groups, stale_workers, names }, shard.filter(|s| s.shards > 1)))
         }
         Ok(LookupResponse::Error { error }) => Err(ClientError::Rejected(error)),
         Err(e) => Err(ClientError::BadAnswer(e.to_string())),
@@ -114,6 +116,13 @@ impl Query {
         self
     }
 
+    /// Ask what each worker of the answer is (name, URL, model), as its publisher said:
+    /// [`Answer::names`].
+    pub fn with_names(mut self) -> Query {
+        self.request.names = true;
+        self
+    }
+
     /// At most `n` matches, the deepest (by default every match): workers tied where the cut
     /// falls are kept in rotation from one lookup to the next.
     pub fn max_matches(mut self, n: u32) -> Query {
@@ -162,6 +171,8 @@ pub struct Answer {
     pub missing_shards: Vec<u32>,
     /// How many shards answered for the deployment (1 when it is not sharded).
     pub shards: u32,
+    /// For a query that asked ([`Query::with_names`]): what each named worker is.
+    pub names: Vec<NamedWorker>,
 }
 
 impl Answer {
@@ -173,6 +184,11 @@ impl Answer {
     /// The deepest match that is not stale, if any.
     pub fn best(&self) -> Option<&MatchEntry> {
         self.matches.iter().find(|m| !m.stale)
+    }
+
+    /// What worker `worker_id` said it is, if the answer names it.
+    pub fn name_of(&self, worker_id: u64) -> Option<&WorkerInfo> {
+        self.names.iter().find(|n| n.worker_id == worker_id).map(|n| &n.info)
     }
 }
 
@@ -252,6 +268,7 @@ impl LookupClient {
         // Each answer with the shard count its shard runs under: while the count changes, old
         // and new shards may both answer, and only answers of one count are merged.
         let mut answers: Vec<(ShardOf, ShardAnswer)> = Vec::new();
+        let mut names: Vec<(ShardOf, Vec<NamedWorker>)> = Vec::new();
         let mut whole = None;
         while answers.last().is_none_or(|(of, _)| answered(&answers, of.shards) < of.shards) {
             let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
@@ -269,6 +286,7 @@ impl LookupClient {
                 }
                 (answer, Some(of)) => {
                     let of = ShardOf { shards: of.shards.max(1), ..of };
+                    names.push((of, answer.names));
                     answers
                         .push((of, ShardAnswer { shard: of.shard, groups: answer.groups, stale_workers: answer.stale_workers }));
                 }
@@ -286,7 +304,19 @@ impl LookupClient {
         self.shards.store(shards, Ordering::Relaxed);
         let (groups, stale_workers) = merge(&answers, shards, limit);
         let missing = (0..shards).filter(|k| !answers.iter().any(|a| a.shard == *k)).collect();
-        Ok(Reply { groups, stale_workers, matches: Vec::new() }.into_answer(shards, missing))
+        // Each worker named by the shard that owns it, under the count merged.
+        let mut named: Vec<NamedWorker> = names
+            .into_iter()
+            .filter(|(of, _)| of.shards == shards)
+            .flat_map(|(of, n)| n.into_iter().filter(move |n| partition(n.worker_id, shards) == of.shard))
+            .collect();
+        named.sort_unstable_by_key(|n| n.worker_id);
+        named.dedup_by_key(|n| n.worker_id);
+        let listed = |id: u64| {
+            groups.iter().any(|g| g.workers.iter().any(|w| w.0 == id)) || stale_workers.iter().any(|w| w.worker_id == id)
+        };
+        named.retain(|n| listed(n.worker_id));
+        Ok(Reply { groups, stale_workers, matches: Vec::new(), names: named }.into_answer(shards, missing))
     }
 
     /// Announces that the query's request was sent to worker `worker_id`, rank `dp_rank`

@@ -10,6 +10,7 @@
 use kvindex_core::groups::{GroupKind, MAX_GROUP};
 use kvindex_core::hash::{local_hashes_ahead, BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::model::{Answer, Depths};
+use kvindex_core::names::WorkerInfo;
 use kvindex_core::{Event, Tier};
 use serde::{Deserialize, Serialize};
 
@@ -34,6 +35,10 @@ impl KvEvent {
 pub struct EventBatch {
     /// The envelope: whose events, which epoch, snapshot marks.
     pub header: BatchHeader,
+    /// What the publisher says its engine is (`worker`), on the batches that carry it: the
+    /// first of an epoch, heartbeats and snapshots. An error says why it was not read; the
+    /// events stand either way.
+    pub worker: Option<Result<WorkerInfo, &'static str>>,
     /// Each event, or why it could not be decoded (its siblings are unaffected).
     pub events: Vec<Result<KvEvent, DecodeError>>,
 }
@@ -479,7 +484,9 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             false
         }
     };
-    let names = ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id", "incomplete"];
+    let names =
+        ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id", "incomplete", "worker"];
+    let mut info = None;
     let mut rd = Rd::new(bytes);
     let read = fields(&mut rd, &names, |k, rd| {
         if k == b"events" {
@@ -513,6 +520,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             b"snapshot_end" => h.snapshot_end = flag(v, &mut bad),
             b"next_event_id" if !is_nil(v) => h.next_event_id = Some(uint(v, &mut bad)),
             b"incomplete" => h.incomplete = flag(v, &mut bad),
+            b"worker" if !is_nil(v) => info = Some(read_info(v)),
             _ => {}
         }
         Some(())
@@ -525,7 +533,40 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
     if bad {
         return Err(DecodeError::BadBatch);
     }
-    Ok(EventBatch { header: h, events })
+    Ok(EventBatch { header: h, worker: info, events })
+}
+
+/// A batch's `worker` map (`name`, and optionally `url`, `model`, `block_size`), checked.
+fn read_info(v: &[u8]) -> Result<WorkerInfo, &'static str> {
+    const MALFORMED: &str = "worker: a map with a string name, and optionally url, model and block_size";
+    let text = |v: &[u8]| match Rd::new(v).head() {
+        Some(Head::Str(s)) => std::str::from_utf8(s).ok().map(str::to_owned).ok_or(MALFORMED),
+        _ => Err(MALFORMED),
+    };
+    let mut info = WorkerInfo::default();
+    let mut rd = Rd::new(v);
+    let mut failed = None;
+    fields(&mut rd, &["name", "url", "model", "block_size"], |k, rd| {
+        let v = rd.value()?;
+        let read = match k {
+            b"name" => text(v).map(|t| info.name = t),
+            b"url" if !is_nil(v) => text(v).map(|t| info.url = Some(t)),
+            b"model" if !is_nil(v) => text(v).map(|t| info.model = Some(t)),
+            b"block_size" if !is_nil(v) => match Rd::new(v).head() {
+                Some(Head::Uint(n)) => u32::try_from(n).map(|n| info.block_size = Some(n)).map_err(|_| MALFORMED),
+                _ => Err(MALFORMED),
+            },
+            _ => Ok(()),
+        };
+        failed = failed.or(read.err());
+        Some(())
+    })
+    .ok_or(MALFORMED)?;
+    if let Some(why) = failed {
+        return Err(why);
+    }
+    info.check()?;
+    Ok(info)
 }
 
 /// Writes one event: maps, with each block in the positional form `[block_hash, tokens_hash]`.
@@ -680,8 +721,17 @@ pub struct BatchHeader {
 /// Writes a batch's envelope, up to and including the length of its `events` list; the
 /// caller appends `events` events written with [`write_event`].
 pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
+    write_batch_header_named(out, h, None, events)
+}
+
+/// Writes a batch's envelope as [`write_batch_header`] does, with what the publisher says its
+/// engine is (`worker`) when given.
+pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Option<&WorkerInfo>, events: u32) {
     use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
-    let _ = write_map_len(out, 7 + h.next_event_id.is_some() as u32 + h.incomplete as u32);
+    let _ = write_map_len(out, 7 + h.next_event_id.is_some() as u32 + h.incomplete as u32 + worker.is_some() as u32);
+    if let Some(info) = worker {
+        write_info(out, info);
+    }
     for (k, v) in [("worker_id", h.worker_id), ("dp_rank", h.dp_rank as u64), ("epoch", h.epoch), ("ts_ns", h.ts_ns)] {
         let _ = write_str(out, k);
         let _ = write_uint(out, v);
@@ -702,11 +752,32 @@ pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
     let _ = write_array_len(out, events);
 }
 
+/// Writes `"worker": {name, url?, model?, block_size?}`.
+fn write_info(out: &mut Vec<u8>, info: &WorkerInfo) {
+    use rmp::encode::{write_map_len, write_str, write_uint};
+    let _ = write_str(out, "worker");
+    let texts = [("url", info.url.as_deref()), ("model", info.model.as_deref())];
+    let _ = write_map_len(out, 1 + texts.iter().filter(|(_, t)| t.is_some()).count() as u32 + info.block_size.is_some() as u32);
+    let _ = write_str(out, "name");
+    let _ = write_str(out, &info.name);
+    for (k, t) in texts {
+        if let Some(t) = t {
+            let _ = write_str(out, k);
+            let _ = write_str(out, t);
+        }
+    }
+    if let Some(n) = info.block_size {
+        let _ = write_str(out, "block_size");
+        let _ = write_uint(out, n as u64);
+    }
+}
+
 /// Encodes a batch (map form, blocks as pairs); events that are errors are left out.
 pub fn encode_batch(b: &EventBatch) -> Vec<u8> {
     let events: Vec<&KvEvent> = b.events.iter().filter_map(|e| e.as_ref().ok()).collect();
     let mut out = Vec::with_capacity(64 + events.len() * 64);
-    write_batch_header(&mut out, &b.header, events.len() as u32);
+    let worker = b.worker.as_ref().and_then(|w| w.as_ref().ok());
+    write_batch_header_named(&mut out, &b.header, worker, events.len() as u32);
     for e in events {
         write_event(&mut out, e);
     }
@@ -828,6 +899,10 @@ pub struct LookupRequest {
     /// for every replica, as if the router had (see [`Routed`]), after answering.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub route_to: Option<WorkerRef>,
+    /// Say what each worker of the answer is (its name, URL, model), where its publisher said:
+    /// the answer's `names`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub names: bool,
 }
 
 /// A 64-bit hash sent as an unsigned or a signed (two's complement) msgpack integer.
@@ -1119,6 +1194,16 @@ pub struct WorkerRef {
     pub dp_rank: u32,
 }
 
+/// A worker of an answer and what its publisher says it is.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NamedWorker {
+    /// The engine instance.
+    pub worker_id: u64,
+    /// Its name, URL, model and block size.
+    #[serde(flatten)]
+    pub info: WorkerInfo,
+}
+
 /// The answer to a lookup: matches deepest first, or an error.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(untagged)]
@@ -1142,6 +1227,9 @@ pub enum LookupResponse {
         /// would otherwise just be absent, and a partial answer would look like a true one.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         stale_workers: Vec<WorkerRef>,
+        /// For a request that asked (`names`): what each named worker of the answer is.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        names: Vec<NamedWorker>,
     },
     /// Why the request could not be answered.
     Error {
@@ -1164,7 +1252,7 @@ impl LookupResponse {
             .map(|w| WorkerRef { worker_id: w.worker_id, dp_rank: w.dp_rank })
             .collect();
         let (matches, groups) = if grouped { (Vec::new(), groups) } else { (flat(&groups), Vec::new()) };
-        LookupResponse::Matches { matches, groups, shard, missing_shards: Vec::new(), stale_workers }
+        LookupResponse::Matches { matches, groups, shard, missing_shards: Vec::new(), stale_workers, names: Vec::new() }
     }
 
     /// The msgpack bytes of the answer.
@@ -1264,6 +1352,7 @@ mod tests {
                     shard: None,
                     missing_shards: vec![],
                     stale_workers: vec![stale; n - split],
+                    names: Vec::new(),
                 };
                 assert!(answer.encode().len() <= max_payload, "{split} of {n} entries overflow {max_payload}");
             }
@@ -1325,6 +1414,7 @@ mod tests {
                 next_event_id: None,
                 incomplete: false,
             },
+            worker: None,
             events: vec![
                 Ok(KvEvent { event_id: 0, data: Event::Cleared }),
                 Ok(stored(1, None, &[(u64::MAX, 5), (11, 6)])),
@@ -1332,6 +1422,43 @@ mod tests {
             ],
         };
         assert_eq!(decode_batch(&encode_batch(&batch)).unwrap(), batch);
+    }
+
+    #[test]
+    fn a_batch_says_what_its_engine_is_and_a_bad_word_of_it_spares_the_events() {
+        let info = WorkerInfo {
+            name: "vllm-0".into(),
+            url: Some("http://10.0.0.1:8000".into()),
+            model: Some("llama".into()),
+            block_size: Some(16),
+        };
+        let events = vec![Ok(stored(0, None, &[(1, 2)]))];
+        let named = EventBatch { header: BatchHeader { worker_id: 7, ..Default::default() }, worker: Some(Ok(info)), events };
+        assert_eq!(decode_batch(&encode_batch(&named)).unwrap(), named);
+        let only_name = EventBatch { worker: Some(Ok(WorkerInfo::named("a"))), ..named.clone() };
+        assert_eq!(decode_batch(&encode_batch(&only_name)).unwrap(), only_name);
+
+        let with_worker = |worker: Value| {
+            let mut v = rmpv::decode::read_value(&mut &encode_batch(&EventBatch { worker: None, ..named.clone() })[..]).unwrap();
+            if let Value::Map(m) = &mut v {
+                m.push((Value::from("worker"), worker));
+            }
+            decode_batch(&enc(v)).unwrap()
+        };
+        let map = |kv: Vec<(&str, Value)>| Value::Map(kv.into_iter().map(|(k, v)| (Value::from(k), v)).collect());
+        for bad in [
+            Value::from(5),
+            map(vec![("name", Value::from(5))]),
+            map(vec![("url", Value::from("http://x"))]),
+            map(vec![("name", Value::from("a")), ("block_size", Value::from(-1))]),
+            map(vec![("name", Value::from("a")), ("block_size", Value::from(0))]),
+            map(vec![("name", Value::from("x".repeat(300)))]),
+        ] {
+            let got = with_worker(bad.clone());
+            assert!(matches!(got.worker, Some(Err(_))), "{bad:?}: {:?}", got.worker);
+            assert_eq!(got.events, named.events, "the events stand: {bad:?}");
+        }
+        assert_eq!(with_worker(Value::Nil).worker, None);
     }
 
     #[test]
@@ -1539,6 +1666,7 @@ mod tests {
             shard: None,
             missing_shards: vec![],
             stale_workers: vec![],
+            names: Vec::new(),
         };
         let v = rmpv::decode::read_value(&mut &ok.encode()[..]).unwrap();
         let matches = field(v.as_map().unwrap(), "matches").unwrap().as_array().unwrap();
@@ -1550,6 +1678,7 @@ mod tests {
             shard: None,
             missing_shards: vec![],
             stale_workers: vec![WorkerRef { worker_id: 4, dp_rank: 1 }],
+            names: Vec::new(),
         };
         let v = rmpv::decode::read_value(&mut &with_stale.encode()[..]).unwrap();
         let stale = field(v.as_map().unwrap(), "stale_workers").unwrap().as_array().unwrap();
@@ -1582,7 +1711,7 @@ mod tests {
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
             let incomplete = ids.len() % 3 == 0;
             let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete };
-            let batch = EventBatch { header, events };
+            let batch = EventBatch { header, worker: None, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);
             let _ = decode_batch(&bytes[..cut.min(bytes.len())]);

@@ -22,7 +22,7 @@
 
 use crate::error::ClientError;
 use crate::protocol::{
-    write_batch_header, write_cleared, write_group_removed, write_group_stored, write_removed, write_stored, BatchHeader,
+    write_batch_header_named, write_cleared, write_group_removed, write_group_stored, write_removed, write_stored, BatchHeader,
     ResyncAck, ResyncRequest,
 };
 use crate::shards::ResyncShard;
@@ -30,6 +30,7 @@ use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
+use kvindex_core::names::WorkerInfo;
 use kvindex_core::{Event, GroupKind, Tier};
 use parking_lot::Mutex;
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -79,6 +80,10 @@ pub struct PublisherConfig {
     /// de-duplication window keeps from landing twice. Off: plain publishes, which a stream
     /// captures all the same, without confirmation.
     pub jetstream_acks: bool,
+    /// What the engine is (name, serving URL, model, block size), said on the first batch,
+    /// every snapshot and heartbeat, and at least once a heartbeat interval: kvindex lists it
+    /// and routers read it from answers. `None`: the worker is known by its id alone.
+    pub worker: Option<WorkerInfo>,
 }
 
 impl PublisherConfig {
@@ -95,7 +100,14 @@ impl PublisherConfig {
             heartbeat: Duration::from_secs(1),
             queue_capacity: 4096,
             jetstream_acks: false,
+            worker: None,
         }
+    }
+
+    /// Defaults for the engine `info` names, rank `dp_rank`, under `prefix`: its worker id is
+    /// the one its name stands for ([`WorkerInfo::worker_id`]).
+    pub fn named(prefix: &str, info: WorkerInfo, dp_rank: u32) -> Self {
+        PublisherConfig { worker: Some(info.clone()), ..PublisherConfig::new(prefix, info.worker_id(), dp_rank) }
     }
 }
 
@@ -154,6 +166,8 @@ struct Inner {
     /// The host said its block set misses blocks the engine holds ([`Publisher::set_incomplete`]):
     /// every batch says so until it is whole again.
     incomplete: bool,
+    /// When a batch last said what the engine is (`None`: not yet).
+    named_at: Option<Instant>,
 }
 
 enum Out {
@@ -195,7 +209,14 @@ impl Publisher {
         client.flush().await.map_err(|e| nats("flushing subscriptions", &e))?;
         let server_max = client.server_info().max_payload;
         let server_max = if server_max == 0 { 1 << 20 } else { server_max };
-        let max_message = cfg.max_batch_bytes.min(server_max).max(HEADER_BYTES + STORED_OVERHEAD + BLOCK_BYTES);
+        // A batch that says what the engine is carries that beside its envelope.
+        let info_bytes = cfg.worker.as_ref().map_or(0, |i| {
+            let mut out = Vec::new();
+            write_batch_header_named(&mut out, &BatchHeader::default(), Some(i), 0);
+            out.len()
+        });
+        let max_message =
+            cfg.max_batch_bytes.min(server_max).saturating_sub(info_bytes).max(HEADER_BYTES + STORED_OVERHEAD + BLOCK_BYTES);
         let (tx, rx) = mpsc::channel(cfg.queue_capacity.max(1));
         let subject: Subject = format!("{}.events.{}", cfg.prefix, cfg.worker_id).into();
         let shared = Arc::new(Shared {
@@ -209,6 +230,7 @@ impl Publisher {
                 last_sent: Instant::now(),
                 dropping: false,
                 incomplete: false,
+                named_at: None,
             }),
             out: tx,
             wake: Notify::new(),
@@ -440,7 +462,8 @@ impl Shared {
             return;
         }
         let mut msg = Vec::with_capacity(HEADER_BYTES + inner.pending.len());
-        write_batch_header(&mut msg, &self.header(inner, snapshot, snapshot_end), inner.pending_events);
+        let header = self.header(inner, snapshot, snapshot_end);
+        write_batch_header_named(&mut msg, &header, self.naming(inner, snapshot), inner.pending_events);
         msg.extend_from_slice(&inner.pending);
         let first_id = inner.next_id - inner.pending_events as u64;
         let c = &self.cfg;
@@ -487,9 +510,22 @@ impl Shared {
         }
     }
 
+    /// What the engine is, if this batch should say it: always (`always`: heartbeats and
+    /// snapshots), on the first batch, and once a heartbeat interval on a busy publisher, so
+    /// that kvindex learns it soon after its own restart.
+    fn naming(&self, inner: &mut Inner, always: bool) -> Option<&WorkerInfo> {
+        let info = self.cfg.worker.as_ref()?;
+        let due = always || inner.named_at.is_none_or(|t| t.elapsed() >= self.cfg.heartbeat);
+        if due {
+            inner.named_at = Some(Instant::now());
+        }
+        due.then_some(info)
+    }
+
     fn heartbeat(&self, inner: &mut Inner) {
         let mut msg = Vec::with_capacity(HEADER_BYTES);
-        write_batch_header(&mut msg, &self.header(inner, false, false), 0);
+        let header = self.header(inner, false, false);
+        write_batch_header_named(&mut msg, &header, self.naming(inner, true), 0);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         self.send(inner, msg.into(), None);
     }

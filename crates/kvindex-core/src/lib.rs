@@ -12,6 +12,8 @@
 //!   decoder, the replay stream and the benchmarks convert into.
 //! - [`seeded`]: hashing keyed with a per-process random seed, for every table keyed by
 //!   values that publishers or routers choose (hash-flooding resistance).
+//! - [`names`]: what a publisher says its engine is (name, URL, model, block size), and the
+//!   worker id a name stands for.
 //! - [`workers`]: interning of worker identities to dense slots, and the slot sets.
 //! - [`announced`]: placements a router announces, per worker, under an LRU bound and a TTL
 //!   (predictions beside the held blocks, and approximate mode for engines without events).
@@ -63,6 +65,7 @@ pub mod hash;
 pub mod hybrid;
 pub mod index;
 pub mod model;
+pub mod names;
 pub mod seeded;
 mod sync;
 pub mod tiers;

@@ -109,6 +109,6 @@ mod tests {
         let rows = page.split("## `kvindex bridge`").next().unwrap().lines().filter(|l| l.starts_with("| `")).count();
         assert_eq!(rows, serve.as_object().unwrap().len(), "every key of serve, once");
         assert!(page.contains("| `nats_url` | `\"nats://127.0.0.1:4222\"` | `KVINDEX_NATS_URL` | `--nats-url` |"), "{page}");
-        assert!(page.contains("| `worker_id` | `0` | `KVINDEX_BRIDGE_WORKER_ID` | `--worker-id` |"), "{page}");
+        assert!(page.contains("| `worker_name` | none | `KVINDEX_BRIDGE_WORKER_NAME` | `--worker-name` |"), "{page}");
     }
 }

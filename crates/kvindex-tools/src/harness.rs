@@ -8,9 +8,41 @@ use std::net::TcpListener;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// A TCP port free on loopback right now.
+/// A TCP port free on loopback right now, never the same one twice in a process: ports are
+/// handed out in turn from 20000-31999, below the kernel's ephemeral range, so neither a
+/// parallel test's choice nor an outgoing connection takes one between its choice and its bind.
 pub fn free_port() -> Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::OnceLock;
+    const FIRST: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: OnceLock<AtomicU32> = OnceLock::new();
+    let next = NEXT.get_or_init(|| {
+        // Another test process starts elsewhere in the span.
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
+        AtomicU32::new((nanos ^ std::process::id().wrapping_mul(2_654_435_761)) % SPAN)
+    });
+    for _ in 0..SPAN {
+        let port = (FIRST + next.fetch_add(1, Ordering::Relaxed) % SPAN) as u16;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return Ok(port);
+        }
+    }
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Two consecutive free ports (an engine's ranks 0 and 1), the first returned; both handed
+/// out, so no later call gets the second.
+pub fn free_port_pair() -> Result<u16> {
+    let mut p = free_port()?;
+    for _ in 0..1000 {
+        let q = free_port()?;
+        if q == p + 1 {
+            return Ok(p);
+        }
+        p = q;
+    }
+    anyhow::bail!("no two consecutive free ports")
 }
 
 /// A `nats-server` of our own on a loopback port (from `$NATS_SERVER`, the PATH or
@@ -190,8 +222,12 @@ impl Daemon {
         }));
         let deadline = Instant::now() + Duration::from_secs(30);
         while http_get(&cfg.metrics_addr, "/readyz").await.map(|r| r.0) != Some(200) {
-            if Instant::now() > deadline || task.is_finished() {
-                bail!("kvindex did not become ready");
+            if task.is_finished() {
+                let ended = task.await.context("daemon task")?;
+                bail!("kvindex stopped before it was ready: {ended:?}");
+            }
+            if Instant::now() > deadline {
+                bail!("kvindex did not become ready in 30 s");
             }
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
