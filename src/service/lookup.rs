@@ -55,8 +55,17 @@ pub(super) async fn lookup_membership<I: KvIndex>(
             0 => 1 << 20,
             n => n,
         });
-        // The server has the subscriptions once a flush returns: only then say so.
-        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), client.flush()).await;
+        // Only once the server has the subscriptions does `/readyz` say so: a router asking
+        // in between would hear "no responders".
+        if let Err(e) = kvindex_client::nats::round_trip(
+            &client,
+            format!("{}.resync.probe", state.cfg.prefix),
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        {
+            state.log.warn("lookup_subscribe", || format!("{e}; joining the queue group anyway"));
+        }
         state.health.member.store(true, Ordering::Relaxed);
         state.metrics.lookups.lookup_member.set(1);
         tracing::info!(subscribers = subs.len(), "answering lookups: joined the kvindex queue group");

@@ -109,6 +109,20 @@ impl NatsSettings {
     }
 }
 
+/// Waits until the server has processed everything `client` sent before this call (its
+/// subscriptions included): a request on `probe`, a subject the client may publish on and
+/// nobody subscribes to, is answered "no responders" only after them. `Client::flush` is not
+/// enough: it returns once the bytes are written, not read.
+pub async fn round_trip(client: &Client, probe: String, timeout: std::time::Duration) -> Result<(), ClientError> {
+    use async_nats::RequestErrorKind;
+    let asked = async_nats::Request::new().timeout(Some(timeout));
+    match client.send_request(probe, asked).await {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == RequestErrorKind::NoResponders => Ok(()),
+        Err(e) => Err(ClientError::Nats(format!("round trip to the server: {e}"))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
