@@ -473,7 +473,16 @@ impl HotMetrics {
 impl Metrics {
     /// Every metric, registered in a registry of its own.
     pub fn new() -> Self {
-        let r = Registry::new();
+        Self::in_registry(Registry::new())
+    }
+
+    /// Every metric of one of several models a daemon serves: each carries `model="<name>"`.
+    pub fn for_model(name: &str) -> Self {
+        let labels = std::collections::HashMap::from([("model".to_string(), name.to_string())]);
+        Self::in_registry(Registry::new_custom(None, Some(labels)).expect("a valid label"))
+    }
+
+    fn in_registry(r: Registry) -> Self {
         let (apply, lookups) = (ApplyMetrics::new(&r), LookupMetrics::new(&r));
         Metrics {
             hot: HotMetrics::of(&apply, &lookups),
@@ -529,11 +538,27 @@ impl Metrics {
 
     /// The Prometheus text exposition of every metric.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        // Encoding our own registry into a Vec cannot fail.
-        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
-        String::from_utf8(buf).unwrap_or_default()
+        render(&[&self.registry])
     }
+}
+
+/// The Prometheus text exposition of every metric of `registries` (one per model, and the
+/// daemon's own), the series of one name under one family as the format requires.
+pub fn render(registries: &[&Registry]) -> String {
+    let mut families: Vec<prometheus::proto::MetricFamily> = Vec::new();
+    for r in registries {
+        for mut f in r.gather() {
+            match families.iter_mut().find(|g| g.name() == f.name()) {
+                Some(g) => g.mut_metric().extend(f.take_metric()),
+                None => families.push(f),
+            }
+        }
+    }
+    families.sort_by(|a, b| a.name().cmp(b.name()));
+    let mut buf = Vec::new();
+    // Encoding gathered families into a Vec cannot fail.
+    let _ = TextEncoder::new().encode(&families, &mut buf);
+    String::from_utf8(buf).unwrap_or_default()
 }
 
 impl Default for Metrics {

@@ -60,7 +60,7 @@ pub(super) fn respond<I: KvIndex>(
 }
 
 /// How long the HTTP APIs wait for the other shards of a sharded deployment.
-const SHARDS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+pub(super) const SHARDS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Why the deployment gave no answer.
 pub(super) enum NoAnswer {

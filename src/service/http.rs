@@ -1,18 +1,19 @@
-//! The HTTP side: Prometheus text on `/metrics`, `/healthz`, `/readyz`.
+//! The HTTP side: Prometheus text on `/metrics` (every model's, and the query API's), `/healthz`
+//! and `/readyz`.
 
+use super::query::QueryMetrics;
+use super::served::{Models, Served};
 use super::state::now_ns;
-use super::State;
-use crate::apply::ApplyPool;
 use axum::http::StatusCode;
 use axum::routing::get;
 use kvindex_core::index::KvIndex;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-/// Every metric, the gauges read from the model and the pool brought up to date first.
-fn metrics_text<I: KvIndex>(state: &State, pool: &ApplyPool<I>) -> String {
-    let metrics = &state.metrics;
-    let model = pool.model();
+/// Brings one model's gauges up to date from its model and its pool.
+fn update_gauges<I: KvIndex>(m: &Served<I>) {
+    let metrics = &m.state.metrics;
+    let model = m.pool.model();
     let stats = model.device().stats();
     metrics.index.placements.set(stats.placements as i64);
     metrics.index.entries.set(stats.entries as i64);
@@ -23,38 +24,44 @@ fn metrics_text<I: KvIndex>(state: &State, pool: &ApplyPool<I>) -> String {
             metrics.index.tier_blocks.with_label_values(&[tier.as_str()]).set(index.stats().placements as i64);
         }
     }
-    metrics.durable.stream_sequence.set(state.durable.stream_seq.load(Ordering::Relaxed) as i64);
-    let written = state.durable.snapshot_written.load(Ordering::Relaxed);
+    metrics.durable.stream_sequence.set(m.state.durable.stream_seq.load(Ordering::Relaxed) as i64);
+    let written = m.state.durable.snapshot_written.load(Ordering::Relaxed);
     if written > 0 {
         metrics.durable.snapshot_age.set(now_ns().saturating_sub(written) as f64 / 1e9);
     }
-    for (t, depth) in pool.queue_depths().into_iter().enumerate() {
+    for (t, depth) in m.pool.queue_depths().into_iter().enumerate() {
         metrics.index.apply_queue_depth.with_label_values(&[&t.to_string()]).set(depth as i64);
     }
-    metrics.render()
+}
+
+/// Every metric, the gauges brought up to date first.
+fn metrics_text<I: KvIndex>(models: &Models<I>, query: &QueryMetrics) -> String {
+    models.0.iter().for_each(update_gauges);
+    let mut registries: Vec<&prometheus::Registry> = models.0.iter().map(|m| &m.state.metrics.registry).collect();
+    registries.push(&query.registry);
+    crate::metrics::render(&registries)
 }
 
 /// Serves `/metrics`, `/healthz` (alive: every apply thread runs) and `/readyz` (ready to
 /// answer lookups, or why not) until aborted.
-pub(super) async fn http_server<I: KvIndex>(listener: tokio::net::TcpListener, state: Arc<State>, pool: Arc<ApplyPool<I>>) {
-    let (metrics_state, metrics_pool) = (state.clone(), pool.clone());
+pub(super) async fn http_server<I: KvIndex>(listener: tokio::net::TcpListener, models: Arc<Models<I>>, query: Arc<QueryMetrics>) {
+    let (for_metrics, for_health) = (models.clone(), models.clone());
     let app = axum::Router::new()
         .route(
             "/metrics",
             get(move || {
-                let text = metrics_text(&metrics_state, &metrics_pool);
+                let text = metrics_text(&for_metrics, &query);
                 async move { ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], text) }
             }),
         )
         .route(
             "/healthz",
             get(move || {
-                let dead = pool.dead_threads();
+                let alive = for_health.alive();
                 async move {
-                    if dead == 0 {
-                        (StatusCode::OK, "ok\n".to_string())
-                    } else {
-                        (StatusCode::INTERNAL_SERVER_ERROR, format!("{dead} apply thread(s) died\n"))
+                    match alive {
+                        Ok(()) => (StatusCode::OK, "ok\n".to_string()),
+                        Err(why) => (StatusCode::INTERNAL_SERVER_ERROR, format!("{why}\n")),
                     }
                 }
             }),
@@ -62,8 +69,13 @@ pub(super) async fn http_server<I: KvIndex>(listener: tokio::net::TcpListener, s
         .route(
             "/readyz",
             get(move || {
-                let (ready, why) = state.health.readyz();
-                async move { (if ready { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, why) }
+                let ready = models.ready();
+                async move {
+                    match ready {
+                        Ok(said) => (StatusCode::OK, said.to_string()),
+                        Err(why) => (StatusCode::SERVICE_UNAVAILABLE, why),
+                    }
+                }
             }),
         );
     if let Err(e) = axum::serve(listener, app).await {

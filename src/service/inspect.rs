@@ -17,283 +17,49 @@
 //! With `inspect_token` set, every request needs `Authorization: Bearer <token>`.
 
 use super::answer::{deployment_answer, NoAnswer};
-use super::State;
-use crate::apply::ApplyPool;
+use super::served::{Models, Served};
+use super::workers::{deployment_workers, Page};
 use axum::extract::{Path, Query, Request, State as Ctx};
 use axum::http::{header, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use kvindex_client::protocol::{LookupRequest, LookupResponse, ShardOf};
-use kvindex_client::shards;
+use kvindex_client::protocol::{LookupRequest, LookupResponse};
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::{KvIndex, SavedBlock, SavedParent};
-use kvindex_core::names::WorkerInfo;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
-use std::time::Instant;
 
-/// Entries a page holds unless the request asks for fewer, and at most.
-const PAGE: usize = 1000;
-const PAGE_MAX: usize = 10_000;
-
-/// What the handlers read.
+/// What the handlers read: every model served (each with its NATS connection, over which a
+/// sharded model's other shards are asked).
 struct Inspect<I: KvIndex> {
-    state: Arc<State>,
-    pool: Arc<ApplyPool<I>>,
-    /// The daemon's NATS connection: a sharded deployment's other shards are asked over it.
-    client: async_nats::Client,
+    models: Arc<Models<I>>,
 }
 
-/// How long the inspect API waits for the other shards.
-const SHARDS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
-
-/// `offset` and `limit` of a paged request; `local`: this shard alone.
-#[derive(Clone, Copy, Deserialize, Serialize)]
-struct Page {
-    #[serde(default)]
-    offset: usize,
-    limit: Option<usize>,
-    #[serde(default)]
-    local: bool,
-}
-
-impl Page {
-    /// The slice of `total` entries this page holds, and the offset of the next page.
-    fn window(&self, total: usize) -> (std::ops::Range<usize>, Option<usize>) {
-        let limit = self.limit.unwrap_or(PAGE).clamp(1, PAGE_MAX);
-        let start = self.offset.min(total);
-        let end = start.saturating_add(limit).min(total);
-        (start..end, (end < total).then_some(end))
+impl<I: KvIndex> Inspect<I> {
+    /// The model a request names (`?model=`), or the only one; else a 404 that lists them.
+    #[allow(clippy::result_large_err)] // The error is the response itself.
+    fn model(&self, name: Option<&str>) -> Result<&Served<I>, Response> {
+        self.models.pick(name).map_err(|why| error(StatusCode::NOT_FOUND, &why))
     }
 }
 
-/// A worker's blocks per tier, in a hybrid model's other groups, and those routers announced
-/// for it that its events have not shown yet.
-#[derive(Serialize, Deserialize)]
-struct Blocks {
-    device: u64,
-    host: u64,
-    disk: u64,
-    /// Blocks held in a hybrid model's KV-cache groups other than the primary one (one per
-    /// group holding it); 0 for other models.
-    groups: u64,
-    predicted: u64,
+/// `?model=`: which model a request is about (needed when the daemon serves several). Read
+/// beside [`Page`], not flattened into it: a flattened query string reads numbers as strings.
+#[derive(Deserialize)]
+struct Which {
+    model: Option<String>,
 }
 
-/// Why a worker is stale.
-#[derive(Serialize, Deserialize)]
-struct Stale {
-    /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `over_limit`,
-    /// `slow_consumer`, `stale_in_snapshot` or `incomplete` (OPERATIONS.md, "Looking inside",
-    /// says what each means; TROUBLESHOOTING.md what to do).
-    reason: std::borrow::Cow<'static, str>,
-    /// Milliseconds since it went stale.
-    since_ms: u64,
-    /// Resync requests sent to it since.
-    resync_requests: u32,
-}
-
-/// One worker, as `GET /v1/workers` shows it.
-#[derive(Serialize, Deserialize)]
-struct Worker {
-    worker_id: u64,
-    dp_rank: u32,
-    /// What its publisher says it is (name, URL, model, block size), if it said.
-    #[serde(flatten)]
-    info: Option<WorkerInfo>,
-    blocks: Blocks,
-    epoch: u64,
-    /// The event id expected next (none until its first event of the epoch).
-    next_event_id: Option<u64>,
-    /// Milliseconds since its last batch (events or heartbeat).
-    last_heard_ms: u64,
-    /// Present while its answers may be out of date.
-    stale: Option<Stale>,
-    /// Batches waiting in its apply thread's queue.
-    queued: usize,
-}
-
-/// A worker dropped for silence past `worker_ttl`.
-#[derive(Serialize, Deserialize)]
-struct Expired {
-    worker_id: u64,
-    dp_rank: u32,
-    /// Milliseconds since it was dropped.
-    ago_ms: u64,
-}
-
-#[derive(Serialize, Deserialize)]
-struct Workers {
-    total: usize,
-    offset: usize,
-    next: Option<usize>,
-    workers: Vec<Worker>,
-    /// The workers dropped lately for silence, the newest first.
-    expired: Vec<Expired>,
-    /// In a sharded deployment: the shards whose workers are missing (they did not answer).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    missing_shards: Vec<u32>,
-}
-
-fn ms(since: Instant, now: Instant) -> u64 {
-    now.saturating_duration_since(since).as_millis() as u64
-}
-
-async fn workers<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(page): Query<Page>) -> Response {
-    if cx.state.cfg.shard_of().is_some() && !page.local {
-        return match gather_workers(&cx.client, &cx.state.cfg.prefix, page).await {
-            Ok(w) => Json(w).into_response(),
-            Err(why) => error(StatusCode::BAD_GATEWAY, &why),
-        };
-    }
-    match local_workers(&cx.state, &cx.pool, page).await {
-        Some(w) => Json(w).into_response(),
-        None => error(StatusCode::INTERNAL_SERVER_ERROR, "the apply threads did not answer"),
-    }
-}
-
-/// This daemon's workers, a page of them.
-async fn local_workers<I: KvIndex>(state: &Arc<State>, pool: &Arc<ApplyPool<I>>, page: Page) -> Option<Workers> {
-    let cx = LocalView { state, pool };
-    cx.workers(page).await
-}
-
-/// What a shard's own view of its workers reads.
-struct LocalView<'a, I: KvIndex> {
-    state: &'a Arc<State>,
-    pool: &'a Arc<ApplyPool<I>>,
-}
-
-impl<I: KvIndex> LocalView<'_, I> {
-    async fn workers(&self, page: Page) -> Option<Workers> {
-        let cx = self;
-        let pool = cx.pool.clone();
-        let held = tokio::task::spawn_blocking(move || pool.held()).await.ok()?;
-        let held: std::collections::HashMap<WorkerId, _> = held.into_iter().map(|h| (h.worker, h)).collect();
-        let mut tracked = cx.state.cursors.lock().view();
-        tracked.sort_unstable_by_key(|t| t.0);
-        let now = Instant::now();
-        let (range, next) = page.window(tracked.len());
-        let workers = tracked[range]
-            .iter()
-            .map(|&(w, epoch, next_id, last)| {
-                let h = held.get(&w);
-                Worker {
-                    worker_id: w.worker_id,
-                    dp_rank: w.dp_rank,
-                    info: cx.state.names.get(&w.worker_id).map(|i| i.value().as_ref().clone()),
-                    blocks: Blocks {
-                        device: h.map_or(0, |h| h.device),
-                        host: h.map_or(0, |h| h.host),
-                        disk: h.map_or(0, |h| h.disk),
-                        groups: h.map_or(0, |h| h.grouped),
-                        predicted: h.map_or(0, |h| h.predicted),
-                    },
-                    epoch,
-                    next_event_id: next_id,
-                    last_heard_ms: ms(last, now),
-                    stale: cx.state.stale.get(&w).map(|r| Stale {
-                        reason: r.reason.into(),
-                        since_ms: ms(r.since, now),
-                        resync_requests: r.attempts,
-                    }),
-                    queued: h.map_or(0, |h| h.queued),
-                }
-            })
-            .collect();
-        let expired = cx
-            .state
-            .expired
-            .lock()
-            .iter()
-            .rev()
-            .map(|&(w, at)| Expired { worker_id: w.worker_id, dp_rank: w.dp_rank, ago_ms: ms(at, now) })
-            .collect();
-        Some(Workers {
-            total: tracked.len(),
-            offset: page.offset.min(tracked.len()),
-            next,
-            workers,
-            expired,
-            missing_shards: Vec::new(),
-        })
-    }
-}
-
-/// Workers a gathered page may ask each shard for: its first `offset + limit`.
-const GATHER_MAX: usize = 2000;
-
-/// Every shard's workers, merged by worker: each shard is asked for its first `offset + limit`
-/// (sorted by worker), so the merged page is exact.
-async fn gather_workers(client: &async_nats::Client, prefix: &str, page: Page) -> Result<Workers, String> {
-    let limit = page.limit.unwrap_or(PAGE).clamp(1, GATHER_MAX);
-    let upto = Page { offset: 0, limit: Some(page.offset.saturating_add(limit).min(GATHER_MAX)), local: true };
-    let body = serde_json::to_vec(&upto).map_err(|e| e.to_string())?;
-    let inbox = client.new_inbox();
-    let mut replies = client.subscribe(inbox.clone()).await.map_err(|e| e.to_string())?;
-    client.publish_with_reply(format!("{prefix}.inspect.workers"), inbox, body.into()).await.map_err(|e| e.to_string())?;
-    let deadline = tokio::time::Instant::now() + SHARDS_WAIT;
-    // Each list with the shard count its shard runs under: lists of two counts (while the
-    // count changes) are never joined.
-    let mut lists: Vec<(ShardOf, Workers)> = Vec::new();
-    while lists.last().is_none_or(|(of, _)| shards::answered(&lists, of.shards) < of.shards) {
-        use futures::StreamExt;
-        let Ok(Some(msg)) = tokio::time::timeout_at(deadline, replies.next()).await else { break };
-        if let Ok(r) = serde_json::from_slice::<ShardWorkers>(&msg.payload) {
-            lists.push((ShardOf { shard: r.shard, shards: r.shards.max(1) }, r.workers));
-        }
-    }
-    let _ = replies.unsubscribe().await;
-    let Some((shards, got)) = shards::one_count(lists) else {
-        return Err("no shard answered on {prefix}.inspect.workers".into());
+async fn workers<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(page): Query<Page>, Query(which): Query<Which>) -> Response {
+    let m = match cx.model(which.model.as_deref()) {
+        Ok(m) => m,
+        Err(resp) => return resp,
     };
-    let missing_shards = (0..shards).filter(|k| !got.iter().any(|(s, _)| s == k)).collect();
-    let total = got.iter().map(|(_, w)| w.total).sum();
-    let mut all: Vec<Worker> = Vec::new();
-    let mut expired: Vec<Expired> = Vec::new();
-    for (_, w) in got {
-        all.extend(w.workers);
-        expired.extend(w.expired);
-    }
-    all.sort_unstable_by_key(|w| (w.worker_id, w.dp_rank));
-    let start = page.offset.min(all.len());
-    let workers: Vec<Worker> = all.drain(start..).take(limit).collect();
-    let next = (start + workers.len() < total).then_some(start + workers.len());
-    expired.sort_unstable_by_key(|e| e.ago_ms);
-    Ok(Workers { total, offset: start, next, workers, expired, missing_shards })
-}
-
-/// A shard's answer on `{prefix}.inspect.workers`.
-#[derive(Serialize, Deserialize)]
-struct ShardWorkers {
-    shard: u32,
-    shards: u32,
-    workers: Workers,
-}
-
-/// Answers `{prefix}.inspect.workers` for this shard (one replica of each shard answers each
-/// request), so that any replica's inspect API can show the whole deployment.
-pub(super) async fn workers_responder<I: KvIndex>(client: async_nats::Client, state: Arc<State>, pool: Arc<ApplyPool<I>>) {
-    use futures::StreamExt;
-    let Some(of) = state.cfg.shard_of() else { return };
-    let subject = format!("{}.inspect.workers", state.cfg.prefix);
-    let mut sub = match client.queue_subscribe(subject.clone(), format!("kvindex-shard-{}", of.shard)).await {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("cannot subscribe to {subject}: {e}; other replicas cannot list this shard's workers");
-            return;
-        }
-    };
-    while let Some(msg) = sub.next().await {
-        let Some(reply) = msg.reply else { continue };
-        let page = serde_json::from_slice::<Page>(&msg.payload).unwrap_or(Page { offset: 0, limit: None, local: true });
-        let Some(workers) = local_workers(&state, &pool, page).await else { continue };
-        let answer = ShardWorkers { shard: of.shard, shards: of.shards, workers };
-        if let Ok(body) = serde_json::to_vec(&answer) {
-            let _ = client.publish(reply, body.into()).await;
-        }
+    match deployment_workers(&m.state, &m.pool, &m.client, page).await {
+        Ok(w) => Json(w).into_response(),
+        Err((status, why)) => error(status, &why),
     }
 }
 
@@ -349,9 +115,14 @@ async fn blocks<I: KvIndex>(
     Ctx(cx): Ctx<Arc<Inspect<I>>>,
     Path((worker_id, dp_rank)): Path<(u64, u32)>,
     Query(page): Query<Page>,
+    Query(which): Query<Which>,
 ) -> Response {
+    let m = match cx.model(which.model.as_deref()) {
+        Ok(m) => m,
+        Err(resp) => return resp,
+    };
     let w = WorkerId::new(worker_id, dp_rank);
-    let pool = cx.pool.clone();
+    let pool = m.pool.clone();
     let Ok(saved) = tokio::task::spawn_blocking(move || pool.save_worker(w)).await else {
         return error(StatusCode::INTERNAL_SERVER_ERROR, "the apply threads did not answer");
     };
@@ -383,10 +154,14 @@ async fn blocks<I: KvIndex>(
         .take(range.len())
         .map(|(i, l)| Line { event_id: i as u64, ..l })
         .collect();
-    Json(Dump { worker_id, dp_rank, backend: cx.pool.model().device().name(), total, offset, next, ops }).into_response()
+    Json(Dump { worker_id, dp_rank, backend: m.pool.model().device().name(), total, offset, next, ops }).into_response()
 }
 
-async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Bytes) -> Response {
+async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, Query(which): Query<Which>, body: axum::body::Bytes) -> Response {
+    let m = match cx.model(which.model.as_deref()) {
+        Ok(m) => m,
+        Err(resp) => return resp,
+    };
     let req = match serde_json::from_slice::<LookupRequest>(&body) {
         Ok(req) => req,
         Err(e) => {
@@ -394,7 +169,7 @@ async fn lookup<I: KvIndex>(Ctx(cx): Ctx<Arc<Inspect<I>>>, body: axum::body::Byt
                 .into_response()
         }
     };
-    match deployment_answer(&cx.state, cx.pool.model(), &cx.client, req).await {
+    match deployment_answer(&m.state, m.pool.model(), &m.client, req).await {
         Ok(resp) => (StatusCode::OK, Json(resp)).into_response(),
         Err(NoAnswer::Rejected(error)) => (StatusCode::BAD_REQUEST, Json(LookupResponse::Error { error })).into_response(),
         Err(NoAnswer::Unreachable(why)) => error(StatusCode::BAD_GATEWAY, &why),
@@ -419,14 +194,9 @@ async fn authorize(Ctx(token): Ctx<Option<Arc<str>>>, req: Request, next: Next) 
 }
 
 /// Serves the inspect API on `listener` until the process ends.
-pub(super) async fn inspect_server<I: KvIndex>(
-    listener: tokio::net::TcpListener,
-    state: Arc<State>,
-    pool: Arc<ApplyPool<I>>,
-    client: async_nats::Client,
-) {
-    let token: Option<Arc<str>> = state.cfg.inspect_token.as_deref().map(Arc::from);
-    let cx = Arc::new(Inspect { state, pool, client });
+pub(super) async fn inspect_server<I: KvIndex>(listener: tokio::net::TcpListener, models: Arc<Models<I>>, token: Option<String>) {
+    let token: Option<Arc<str>> = token.as_deref().map(Arc::from);
+    let cx = Arc::new(Inspect { models });
     let app = axum::Router::new()
         .route("/v1/workers", get(workers::<I>))
         .route("/v1/workers/{worker_id}/{dp_rank}/blocks", get(blocks::<I>))

@@ -327,7 +327,7 @@ async fn write(js: &jetstream::Context, state: &Arc<State>, cuts: &mpsc::Sender<
     metrics.durable.snapshot_writes.with_label_values(&["ok"]).inc();
     metrics.durable.snapshot_write_seconds.set(took);
     metrics.durable.snapshot_bytes.set(bytes.len() as i64);
-    state.durable.snapshot_written.store(super::now_ns(), Ordering::Relaxed);
+    state.durable.snapshot_written.store(super::state::now_ns(), Ordering::Relaxed);
     tracing::info!(snapshot = %name, bytes = bytes.len(), seconds = took, "wrote an index snapshot");
     Ok(Some(stream_seq))
 }
@@ -349,6 +349,6 @@ fn encode(cut: Cut, backend: String) -> anyhow::Result<Vec<u8>> {
             SnapshotWorker { epoch, next_id, stale: stale.contains(&w), saved }
         })
         .collect();
-    let snap = Snapshot { version: VERSION, backend, stream_seq, written_ns: super::now_ns(), workers };
+    let snap = Snapshot { version: VERSION, backend, stream_seq, written_ns: super::state::now_ns(), workers };
     Ok(rmp_serde::to_vec(&snap)?)
 }

@@ -927,7 +927,9 @@ impl<'de> Deserialize<'de> for AnyInt64 {
     }
 }
 
-fn any_int_hashes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u64>>, D::Error> {
+/// Deserializes optional 64-bit hashes sent as unsigned or signed (two's complement)
+/// integers, as `block_hashes` fields take them.
+pub fn any_int_hashes<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Vec<u64>>, D::Error> {
     let hashes: Option<Vec<AnyInt64>> = Option::deserialize(d)?;
     Ok(hashes.map(|h| h.into_iter().map(|h| h.0).collect()))
 }

@@ -11,7 +11,7 @@ use serde_json::Value;
 use std::collections::HashMap;
 
 /// The sources whose field doc comments describe the keys.
-const DAEMON: &str = include_str!("../../../src/config.rs");
+const DAEMON: &str = include_str!("../../../src/config/mod.rs");
 const NATS: &str = include_str!("../../kvindex-client/src/nats.rs");
 const BRIDGE: &str = include_str!("../../kvindex-bridge/src/config.rs");
 

@@ -1,5 +1,6 @@
 //! Configuration, layered: built-in defaults < `config/kvindex.toml` (or
-//! `--config FILE`) < `KVINDEX_*` environment < command-line flags.
+//! `--config FILE`) < `KVINDEX_*` environment < command-line flags; [`models`]: the models one
+//! daemon serves, each with its own keys over the daemon's.
 
 use figment::providers::{Env, Format, Serialized, Toml};
 use figment::value::{Dict, Map};
@@ -12,6 +13,9 @@ use kvindex_core::index::Backend;
 use kvindex_core::model::{AnnounceConfig, RoutedOnly};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+
+mod models;
+pub use models::{ModelTable, DEFAULT_MODEL};
 
 /// Where the daemon reads events from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,6 +49,23 @@ pub struct Config {
     /// A bearer token the inspect API requires (`Authorization: Bearer <token>`); none: open to
     /// whoever reaches `inspect_addr`.
     pub inspect_token: Option<String>,
+    /// Where the query API for routers is served (`/query`, `/query_by_hash`, `/workers`,
+    /// `/health`: the shape of Dynamo's standalone indexer and Mooncake's indexer API); empty:
+    /// not served.
+    pub query_addr: String,
+    /// A bearer token the query API requires; none: open to whoever reaches `query_addr`.
+    pub query_token: Option<String>,
+    /// The largest query API request body, in bytes.
+    pub query_max_body: usize,
+    /// Most token ids or block hashes one query API request may carry.
+    pub query_max_tokens: usize,
+    /// Tokens per block of the model's engines, what `/query` hashes token ids with; none: the
+    /// block size its named workers announce.
+    pub block_size: Option<u32>,
+    /// Several models in one daemon: a `[[models]]` table each, with its `name`, its `prefix` and
+    /// the keys it sets for itself (`block_size`, bounds, `shards`, `ingest`, ...); none: one
+    /// model, `default`, on `prefix`.
+    pub models: Vec<ModelTable>,
     /// Apply threads (0: one per core, less one for NATS and lookups, at least one).
     pub apply_threads: usize,
     /// Threads that answer lookups, apart from ingest's (0: one per four cores, at least one).
@@ -131,6 +152,12 @@ impl Default for Config {
             metrics_addr: "0.0.0.0:9464".into(),
             inspect_addr: "127.0.0.1:9466".into(),
             inspect_token: None,
+            query_addr: String::new(),
+            query_token: None,
+            query_max_body: 16 << 20,
+            query_max_tokens: 1 << 20,
+            block_size: None,
+            models: Vec::new(),
             apply_threads: 0,
             lookup_threads: 0,
             queue_capacity: 1024,
@@ -182,6 +209,10 @@ pub struct Flags {
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
     pub inspect_addr: Option<String>,
+    /// Address of the query API for routers, "" for none [KVINDEX_QUERY_ADDR].
+    #[arg(long)]
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub query_addr: Option<String>,
     /// Apply threads, 0 for one per core less one [KVINDEX_APPLY_THREADS].
     #[arg(long)]
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -247,7 +278,7 @@ pub struct Explained {
 }
 
 /// Keys whose values `kvindex config` does not print.
-const SECRETS: [&str; 3] = ["inspect_token", "nats_password", "nats_token"];
+const SECRETS: [&str; 4] = ["inspect_token", "query_token", "nats_password", "nats_token"];
 
 /// `kvindex config`'s output: one TOML line per key, its source in a comment; secrets hidden.
 pub fn explain_table(values: &[Explained]) -> String {
@@ -394,6 +425,18 @@ impl Config {
         if self.inspect_token.as_ref().is_some_and(|t| t.is_empty() || t.contains(char::is_whitespace)) {
             return bad("inspect_token", "must be non-empty, without spaces");
         }
+        if !self.query_addr.is_empty() && self.query_addr.parse::<std::net::SocketAddr>().is_err() {
+            return bad("query_addr", "must be host:port with an IP address (e.g. 0.0.0.0:9467), or empty for none");
+        }
+        if self.query_token.as_ref().is_some_and(|t| t.is_empty() || t.contains(char::is_whitespace)) {
+            return bad("query_token", "must be non-empty, without spaces");
+        }
+        if self.query_max_body < 1024 || self.query_max_tokens == 0 {
+            return bad("query_max_body", "query_max_body at least 1024 bytes, query_max_tokens at least 1");
+        }
+        if self.block_size == Some(0) {
+            return bad("block_size", "at least 1 token");
+        }
         if !(0.0..=86_400.0).contains(&self.predicted_ttl) || !(0.0..=86_400.0).contains(&self.routed_only_ttl) {
             return bad("predicted_ttl", "predicted_ttl and routed_only_ttl: 0 to 86400 seconds");
         }
@@ -423,6 +466,9 @@ impl Config {
             if self.snapshot_keep == 0 {
                 return bad("snapshot_keep", "at least 1 (the newest snapshot is what a restart loads)");
             }
+        }
+        if !self.models.is_empty() {
+            self.served_models()?;
         }
         Ok(())
     }
