@@ -14,6 +14,7 @@
 pub use crate::fleet::{DemoConfig, Live};
 use crate::fleet::{Fleet, FleetReport, Policy, APPROXIMATE_BASE};
 use crate::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon, NatsProcess};
+use crate::http_router::HttpRouter;
 use crate::trace::{chain_hashes, request_locals, TraceRequest};
 use anyhow::{Context, Result};
 use hdrhistogram::Histogram;
@@ -36,6 +37,8 @@ pub struct DemoReport {
     pub lookup_errors: u64,
     pub lookup_rtt_p50_us: f64,
     pub lookup_rtt_p99_us: f64,
+    /// The HTTP fleet's queries that got no answer.
+    pub query_api_errors: u64,
     /// Interrupted (Ctrl-C) before the trace ended.
     pub interrupted: bool,
     /// Bursts of requests sharing a new prefix, routed with and without predictions.
@@ -124,6 +127,8 @@ struct Deployment {
     daemons: Vec<Daemon>,
     /// Every kvindex's `/metrics` address.
     metrics_addrs: Vec<String>,
+    /// The query API of our first daemon (none: kvindex was given).
+    query_addr: Option<String>,
 }
 
 impl Deployment {
@@ -137,7 +142,7 @@ impl Deployment {
         };
         if let Some(addr) = &cfg.kvindex_metrics {
             let addr = addr.trim_start_matches("http://").trim_end_matches('/').to_string();
-            return Ok(Deployment { _nats: nats, url, daemons: Vec::new(), metrics_addrs: vec![addr] });
+            return Ok(Deployment { _nats: nats, url, daemons: Vec::new(), metrics_addrs: vec![addr], query_addr: None });
         }
         let mut daemons = Vec::new();
         for shard in 0..cfg.shards {
@@ -147,6 +152,8 @@ impl Deployment {
                 shard,
                 metrics_addr: format!("127.0.0.1:{}", free_port()?),
                 inspect_addr: format!("127.0.0.1:{}", free_port()?),
+                query_addr: format!("127.0.0.1:{}", free_port()?),
+                block_size: Some(block_tokens(cfg) as u32),
                 routed_only_workers: (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect(),
                 routed_only_capacity: cfg.capacity as u64,
                 ..Config::with_nats_url(url.clone())
@@ -154,7 +161,8 @@ impl Deployment {
             daemons.push(Daemon::start(daemon_cfg).await.context("starting kvindex serve")?);
         }
         let metrics_addrs = daemons.iter().map(|d| d.cfg.metrics_addr.clone()).collect();
-        Ok(Deployment { _nats: nats, url, daemons, metrics_addrs })
+        let query_addr = daemons.first().map(|d| d.cfg.query_addr.clone());
+        Ok(Deployment { _nats: nats, url, daemons, metrics_addrs, query_addr })
     }
 
     /// Every shard's metrics, as one text: counters add up across shards.
@@ -179,6 +187,8 @@ struct Routing {
     event_fed: Vec<u64>,
     /// The approximate fleet's (routed-only) worker ids, when kvindex is ours.
     routed_only: Option<Vec<u64>>,
+    /// The HTTP fleet's router, when kvindex is ours.
+    http: Option<HttpRouter>,
     /// Lookup round trips, ns.
     rtt: Histogram<u64>,
     /// Lookups that failed.
@@ -194,17 +204,22 @@ impl Routing {
         let router = LookupClient::new(async_nats::connect(&at.url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
         // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
         let own = !at.daemons.is_empty();
-        let fleets = [Policy::KvAware, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
-            .into_iter()
-            .filter(|&p| own || p != Policy::Approximate)
-            .map(|p| Fleet::new(p, cfg.workers as usize, cfg.seed))
-            .collect();
+        let fleets =
+            [Policy::KvAware, Policy::KvAwareHttp, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
+                .into_iter()
+                .filter(|&p| own || !matches!(p, Policy::Approximate | Policy::KvAwareHttp))
+                .map(|p| Fleet::new(p, cfg.workers as usize, cfg.seed))
+                .collect();
         Ok(Routing {
             publishers,
             router,
             fleets,
             event_fed: (0..cfg.workers).collect(),
             routed_only: own.then(|| (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect()),
+            http: match &at.query_addr {
+                Some(addr) => Some(HttpRouter::start(nats, &cfg.prefix, cfg.workers, addr.clone(), block_tokens(cfg)).await?),
+                None => None,
+            },
             rtt: Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?,
             lookup_errors: 0,
         })
@@ -244,9 +259,17 @@ impl Routing {
             Some(ids) => routed_depths(&self.router, &hashes, ids).await,
             None => HashMap::new(),
         };
+        let over_http = match &mut self.http {
+            Some(h) => h.depths(&hashes).await,
+            None => HashMap::new(),
+        };
         for fleet in self.fleets.iter_mut() {
             fleet.expire(now_ms);
-            let asked = if fleet.policy == Policy::Approximate { &approximate } else { &depths };
+            let asked = match fleet.policy {
+                Policy::Approximate => &approximate,
+                Policy::KvAwareHttp => &over_http,
+                _ => &depths,
+            };
             let w = fleet.choose(&engine, asked, cfg.load_weight);
             let served = fleet.serve(w, req, &engine, cfg, now_ms);
             match fleet.policy {
@@ -259,6 +282,11 @@ impl Routing {
                     }
                 }
                 Policy::KvAware => report_cache(&self.publishers[w], &served, &engine, &locals).await,
+                Policy::KvAwareHttp => {
+                    if let Some(h) = &self.http {
+                        report_cache(&h.publishers[w], &served, &engine, &locals).await;
+                    }
+                }
                 _ => {}
             }
         }
@@ -344,7 +372,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
     if view.drawn > 0 {
         println!();
     }
-    for p in &routing.publishers {
+    for p in routing.publishers.iter().chain(routing.http.iter().flat_map(|h| h.publishers.iter())) {
         p.flush().await;
     }
     let burst =
@@ -361,9 +389,15 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         lookup_errors: routing.lookup_errors,
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
+        query_api_errors: routing.http.as_ref().map_or(0, |h| h.errors),
         interrupted,
         burst,
     })
+}
+
+/// Tokens per block of the demo's engines: a trace block is 512 tokens, split `factor` ways.
+fn block_tokens(cfg: &DemoConfig) -> u64 {
+    512 / cfg.factor.max(1)
 }
 
 /// The approximate fleet's depths: kvindex's answer over its routed-only workers.
@@ -419,7 +453,7 @@ pub fn table(r: &DemoReport, cfg: &DemoConfig) -> String {
         if r.interrupted { " (interrupted)" } else { "" },
         cfg.workers,
         cfg.capacity,
-        512 / cfg.factor.max(1)
+        block_tokens(cfg)
     );
     s += &format!("{:<24} {:>9} {:>22} {:>26}\n", "routing", "hit rate", "prefill tokens saved", "requests/worker max/mean");
     for f in &r.fleets {

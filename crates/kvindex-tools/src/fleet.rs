@@ -56,6 +56,8 @@ pub enum Live {
 pub enum Policy {
     /// Asks kvindex: least (blocks to compute + load weight x active blocks).
     KvAware,
+    /// The same, asking kvindex's HTTP query API as a router written against Dynamo's would.
+    KvAwareHttp,
     /// The same cost, kvindex answering from the router's announcements alone (the fleet's
     /// engines publish no events: approximate mode).
     Approximate,
@@ -69,6 +71,7 @@ impl Policy {
     pub fn name(self) -> &'static str {
         match self {
             Policy::KvAware => "kv-aware (kvindex)",
+            Policy::KvAwareHttp => "kv-aware, HTTP /query",
             Policy::Approximate => "kv-aware, no events",
             Policy::Oracle => "oracle (reads caches)",
             Policy::RoundRobin => "round-robin",
@@ -161,7 +164,9 @@ impl Fleet {
         let n = self.caches.len();
         let blocks = engine.len() as u64;
         match self.policy {
-            Policy::KvAware | Policy::Approximate => self.cheapest(|w| depths.get(&w).copied().unwrap_or(0), blocks, load_weight),
+            Policy::KvAware | Policy::KvAwareHttp | Policy::Approximate => {
+                self.cheapest(|w| depths.get(&w).copied().unwrap_or(0), blocks, load_weight)
+            }
             Policy::Oracle => self.cheapest(|w| self.caches[w].hits(engine) as u64, blocks, load_weight),
             Policy::RoundRobin => {
                 self.next = (self.next + 1) % n;

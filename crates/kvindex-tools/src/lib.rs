@@ -22,6 +22,7 @@
 //! - [`demo`]: `demo`: a closed loop of router, mock engines and kvindex, showing the
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`burst`]: the demo's bursts sharing a new prefix, routed with and without predictions.
+//! - [`http_router`]: the demo's fleet routed over kvindex's HTTP query API.
 //! - [`bridge_bench`]: `bridge-bench`: an engine's ZMQ socket to applied in kvindex.
 //! - [`shard_bench`]: `shard-bench`: S shards against one daemon on the same stream, each in
 //!   its own process (CPU, memory, merged lookups).
@@ -46,6 +47,7 @@ pub mod e2e;
 pub mod fleet;
 pub mod flood;
 pub mod harness;
+pub mod http_router;
 pub mod indexers;
 pub mod keepup;
 #[cfg(feature = "peers")]

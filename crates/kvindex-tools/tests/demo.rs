@@ -50,6 +50,11 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
     assert!(kv > rr * 2.0 && kv > random * 2.0, "kv-aware {kv} does not beat round-robin {rr} and random {random}");
     // Exact answers route as well as reading the caches, but for the events still in flight.
     assert!(kv >= oracle * 0.9, "kv-aware {kv} falls short of the oracle {oracle}");
+    // A router asking the HTTP query API, as one written against Dynamo's would, does as well.
+    let http = rate(Policy::KvAwareHttp);
+    println!("kv-aware over HTTP {http:.3}");
+    assert_eq!(report.query_api_errors, 0, "every HTTP query answered");
+    assert!(http >= oracle * 0.9, "kv-aware over HTTP {http} falls short of the oracle {oracle}");
     let total: f64 = report.fleets[0].requests_per_worker_mean * cfg.workers as f64;
     assert_eq!(total.round() as u64, 2000);
 
@@ -82,4 +87,6 @@ async fn three_shards_route_as_well_as_one_index() {
     assert!(kv >= oracle * 0.9, "kv-aware on three shards {kv} falls short of the oracle {oracle}");
     assert!(kv > rr * 2.0, "kv-aware on three shards {kv} does not beat round-robin {rr}");
     assert!(rate(Policy::Approximate) > rr * 2.0, "approximate mode works across shards too");
+    assert_eq!(report.query_api_errors, 0);
+    assert!(rate(Policy::KvAwareHttp) >= oracle * 0.9, "the query API answers for every shard");
 }

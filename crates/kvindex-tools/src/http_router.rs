@@ -1,0 +1,71 @@
+//! The demo's HTTP router: a fleet of its own whose router asks kvindex's query API
+//! (`POST /query_by_hash`, the shape of Dynamo's standalone indexer) as a router written
+//! against that API would, reading `scores` in tokens; its engines publish like the others.
+
+use anyhow::{Context, Result};
+use kvindex_client::publisher::{Publisher, PublisherConfig};
+use kvindex_core::hash::LocalHash;
+use std::collections::HashMap;
+
+/// Worker ids of the HTTP fleet: its worker `w` is `HTTP_BASE + w`.
+pub const HTTP_BASE: u64 = 2_000_000;
+
+/// The fleet's router and its engines' publishers.
+pub struct HttpRouter {
+    /// kvindex's query API (`query_addr`).
+    addr: String,
+    /// Tokens per block: `scores` count tokens.
+    block_size: u64,
+    /// The fleet's worker ids: a query names them, as a router names the workers it routes to.
+    ids: Vec<u64>,
+    /// Its engines' publishers, by worker.
+    pub publishers: Vec<Publisher>,
+    /// Queries that got no answer.
+    pub errors: u64,
+}
+
+impl HttpRouter {
+    /// `workers` engines publishing on `prefix`, asked about at `addr`.
+    pub async fn start(nats: &async_nats::Client, prefix: &str, workers: u64, addr: String, block_size: u64) -> Result<Self> {
+        let ids: Vec<u64> = (HTTP_BASE..HTTP_BASE + workers).collect();
+        let mut publishers = Vec::with_capacity(ids.len());
+        for &id in &ids {
+            publishers.push(Publisher::start(nats.clone(), PublisherConfig::new(prefix, id, 0)).await?);
+        }
+        Ok(HttpRouter { addr, block_size: block_size.max(1), ids, publishers, errors: 0 })
+    }
+
+    /// The fleet's depths for `hashes`, in blocks (no answer: none).
+    pub async fn depths(&mut self, hashes: &[LocalHash]) -> HashMap<usize, u64> {
+        match self.ask(hashes).await {
+            Ok(d) => d,
+            Err(e) => {
+                self.errors += 1;
+                if self.errors == 1 {
+                    tracing::warn!("query API failed ({e:#}); routing the HTTP fleet by load alone until it answers");
+                }
+                HashMap::new()
+            }
+        }
+    }
+
+    async fn ask(&self, hashes: &[LocalHash]) -> Result<HashMap<usize, u64>> {
+        let body = serde_json::json!({
+            "block_hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
+            "workers": self.ids,
+        });
+        let (code, text) = kvindex::cli::http::request(&self.addr, "POST", "/query_by_hash", None, Some(&body.to_string()))
+            .await
+            .context("no answer from the query API")?;
+        anyhow::ensure!(code == 200, "the query API answered {code}: {text}");
+        let answer: serde_json::Value = serde_json::from_str(&text).context("reading the query API's answer")?;
+        let mut depths = HashMap::new();
+        for (worker, ranks) in answer["scores"].as_object().into_iter().flatten() {
+            let (Ok(id), Some(tokens)) = (worker.parse::<u64>(), ranks["0"].as_u64()) else { continue };
+            if let Some(w) = id.checked_sub(HTTP_BASE).filter(|&w| w < self.ids.len() as u64) {
+                depths.insert(w as usize, tokens / self.block_size);
+            }
+        }
+        Ok(depths)
+    }
+}
