@@ -9,7 +9,7 @@ mod support;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use support::{free_port, Daemon, NatsServer};
+use support::{Daemon, NatsServer};
 
 /// The client's virtual environment's python (scripts/python-client builds it, cached).
 fn python() -> PathBuf {
@@ -64,12 +64,7 @@ async fn the_python_client_asks_announces_and_publishes_against_one_daemon() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_python_client_merges_a_sharded_deployment_and_names_a_missing_shard() {
-    let conf = std::env::temp_dir().join(format!("kvindex-python-shards-{}-{}.conf", std::process::id(), free_port()));
-    let lines: Vec<String> =
-        kvindex_client::shards::mappings("t", 2).iter().map(|(f, t)| format!("  \"{f}\": \"{t}\"")).collect();
-    std::fs::write(&conf, format!("mappings = {{\n{}\n}}\n", lines.join("\n"))).expect("writes the mappings");
-    let nats = support::NatsProcess::start_with(free_port(), &["-c", conf.to_str().expect("UTF-8")], &[])
-        .expect("nats-server with the mappings");
+    let nats = support::NatsProcess::start_sharded("t", 2).expect("nats-server with the mappings");
     let zero = Daemon::start(&nats.url(), |cfg| (cfg.shards, cfg.shard) = (2, 0)).await;
     let one = Daemon::start(&nats.url(), |cfg| (cfg.shards, cfg.shard) = (2, 1)).await;
     let mut child = live(&nats.url(), 2);
@@ -81,5 +76,4 @@ async fn the_python_client_merges_a_sharded_deployment_and_names_a_missing_shard
     said(&mut out, "ok").await;
     finished(child).await;
     zero.stop().await.unwrap();
-    let _ = std::fs::remove_file(conf);
 }

@@ -246,12 +246,7 @@ async fn one_daemon_serves_two_models_each_with_its_own_prefix_and_block_size() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sharded_deployment_answers_whole_from_any_shard_and_names_one_that_is_gone() {
-    let conf = std::env::temp_dir().join(format!("kvindex-query-shards-{}-{}.conf", std::process::id(), free_port()));
-    let lines: Vec<String> =
-        kvindex_client::shards::mappings("t", 2).iter().map(|(f, t)| format!("  \"{f}\": \"{t}\"")).collect();
-    std::fs::write(&conf, format!("mappings = {{\n{}\n}}\n", lines.join("\n"))).expect("writes the mappings");
-    let nats = support::NatsProcess::start_with(free_port(), &["-c", conf.to_str().expect("UTF-8")], &[])
-        .expect("nats-server with the mappings");
+    let nats = support::NatsProcess::start_sharded("t", 2).expect("nats-server with the mappings");
     let shard = |k: u32| {
         move |cfg: &mut Config| {
             cfg.shards = 2;
@@ -298,5 +293,4 @@ async fn a_sharded_deployment_answers_whole_from_any_shard_and_names_one_that_is
     assert_eq!(partial.map(|s| s.0), Some(want(&[0])), "shard 1 named missing, shard 0's workers kept");
     drop(publishers);
     zero.stop().await.unwrap();
-    let _ = std::fs::remove_file(conf);
 }

@@ -76,12 +76,16 @@ impl Cursors {
         now: Instant,
         cfg: &Config,
     ) -> Result<&mut Cursor, Refusal> {
-        let held = self.names.get(&w.worker_id).map(|n| n.value().clone());
-        match (&held, info) {
-            (Some(held), Some(info)) if held.name != info.name => return Err(Refusal::OtherName(held.name.clone())),
-            (Some(_), None) if self.by_worker.get(&w).is_some_and(|c| epoch > c.epoch) => return Err(Refusal::Unnamed),
-            _ => {}
-        }
+        // Read in place (no clone per batch); the guard ends before the insert below.
+        let renamed = {
+            let held = self.names.get(&w.worker_id);
+            match (held.as_deref(), info) {
+                (Some(held), Some(info)) if held.name != info.name => return Err(Refusal::OtherName(held.name.clone())),
+                (Some(_), None) if self.by_worker.get(&w).is_some_and(|c| epoch > c.epoch) => return Err(Refusal::Unnamed),
+                (held, Some(info)) => held.map(|h| h.as_ref()) != Some(info),
+                (_, None) => false,
+            }
+        };
         if !self.by_worker.contains_key(&w) {
             if self.by_worker.len() >= cfg.max_workers as usize {
                 return Err(Refusal::Workers);
@@ -92,7 +96,7 @@ impl Cursors {
             }
             *ranks += 1;
         }
-        if let Some(info) = info.filter(|i| held.as_deref() != Some(*i)) {
+        if let Some(info) = info.filter(|_| renamed) {
             self.names.insert(w.worker_id, Arc::new(info.clone()));
         }
         Ok(self.by_worker.entry(w).or_insert(Cursor::start(epoch, now)))

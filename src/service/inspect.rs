@@ -181,14 +181,17 @@ fn error(status: StatusCode, why: &str) -> Response {
     (status, Json(serde_json::json!({ "error": why }))).into_response()
 }
 
+/// Whether `req` carries `Authorization: Bearer <token>`, or no token is configured: the
+/// inspect and query APIs' one check.
+pub(super) fn bearer_ok(req: &Request, token: Option<&str>) -> bool {
+    let given = || req.headers().get(header::AUTHORIZATION)?.to_str().ok()?.strip_prefix("Bearer ");
+    token.is_none_or(|t| given() == Some(t))
+}
+
 /// Requires the bearer token, when one is configured.
 async fn authorize(Ctx(token): Ctx<Option<Arc<str>>>, req: Request, next: Next) -> Response {
-    if let Some(token) = token {
-        let given =
-            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(&*token) {
-            return error(StatusCode::UNAUTHORIZED, "this inspect API needs its bearer token (inspect_token)");
-        }
+    if !bearer_ok(&req, token.as_deref()) {
+        return error(StatusCode::UNAUTHORIZED, "this inspect API needs its bearer token (inspect_token)");
     }
     next.run(req).await
 }

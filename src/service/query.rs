@@ -16,11 +16,12 @@
 //! counted in `kvindex_query_rejected_total{reason}`.
 
 use super::answer::{deployment_answer, NoAnswer};
+use super::inspect::bearer_ok;
 use super::served::{Models, Served};
 use super::workers::{deployment_workers, Page, PAGE_MAX};
 use crate::config::{Config, DEFAULT_MODEL};
 use axum::extract::{Query, Request, State as Ctx};
-use axum::http::{header, StatusCode};
+use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
@@ -378,9 +379,10 @@ impl<I: KvIndex> Api<I> {
                 let got = deployment_workers(&m.state, &m.pool, &m.client, page)
                     .await
                     .map_err(|(status, why)| refused(status, "", why))?;
+                // Pages come by (worker, rank): a worker's ranks are consecutive.
                 for w in got.workers {
                     let stale = w.stale.is_some();
-                    match out.iter_mut().find(|l| l.instance_id == w.worker_id && l.model_name == m.name) {
+                    match out.last_mut().filter(|l| l.instance_id == w.worker_id && l.model_name == m.name) {
                         Some(l) => {
                             l.dp_ranks.push(w.dp_rank);
                             if stale {
@@ -434,10 +436,7 @@ fn answered<T: Serialize>(api: &QueryMetrics, endpoint: &str, started: Instant, 
 impl<I: KvIndex> Api<I> {
     /// The request, if its bearer token is the one configured (or none is).
     fn authorized(&self, req: &Request) -> Result<(), Refused> {
-        let Some(token) = &self.token else { return Ok(()) };
-        let given =
-            req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        match given == Some(token.as_str()) {
+        match bearer_ok(req, self.token.as_deref()) {
             true => Ok(()),
             false => {
                 Err(refused(StatusCode::UNAUTHORIZED, "unauthorized", "this query API needs its bearer token (query_token)"))

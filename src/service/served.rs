@@ -29,6 +29,13 @@ pub(super) struct Served<I: KvIndex> {
     pub(super) client: Client,
 }
 
+// By hand: a derive would ask `I: Clone` of the index, which is shared, not copied.
+impl<I: KvIndex> Clone for Served<I> {
+    fn clone(&self) -> Self {
+        Served { name: self.name.clone(), state: self.state.clone(), pool: self.pool.clone(), client: self.client.clone() }
+    }
+}
+
 /// Every model a daemon serves, in the order configured.
 pub(super) struct Models<I: KvIndex>(pub(super) Vec<Served<I>>);
 
@@ -181,8 +188,7 @@ impl<I: KvIndex> Running<I> {
 
     /// What the HTTP APIs read of it.
     pub(super) fn served(&self) -> Served<I> {
-        let s = &self.served;
-        Served { name: s.name.clone(), state: s.state.clone(), pool: s.pool.clone(), client: s.client.clone() }
+        self.served.clone()
     }
 
     /// Ingests events until `stop` says so (or its events end), then drains: an error if an
