@@ -422,6 +422,12 @@ fn a_worker_holds_at_most_its_block_bound() {
         let out = index.store(&mut w, Some(BlockHash(102)), &chain([103, 104], [4, 5]));
         assert_eq!((out.stored, out.over_limit), (1, 1), "{}: room for one again", index.name());
         assert_eq!(depths(&index, &[1, 2, 3, 4, 5], &MatchOptions::default()), vec![(1, 0, 4)]);
+        // At the bound, blocks held already take no room: the chain restated is not over it,
+        // and only the new block past it is.
+        let out = index.store(&mut w, None, &chain(100..104, 1..5));
+        assert_eq!((out.duplicates, out.over_limit), (4, 0), "{}: a restated chain", index.name());
+        let out = index.store(&mut w, None, &chain(100..105, 1..6));
+        assert_eq!((out.duplicates, out.stored, out.over_limit), (4, 0, 1), "{}", index.name());
     }
     check(RunIndex::new(RunConfig { max_blocks_per_worker: 4, ..RunConfig::default() }));
     check(PositionalIndex::new(PositionalConfig { max_blocks_per_worker: 4, ..Default::default() }));

@@ -52,15 +52,32 @@ pub struct ApplyOutcome {
 
 impl ApplyOutcome {
     /// The first of `blocks` that fit a worker holding `held` blocks under the bound `max`;
-    /// those cut off are counted in `over_limit`.
-    pub(crate) fn within_bound<'a>(&mut self, blocks: &'a [StoredBlock], held: u64, max: u64) -> &'a [StoredBlock] {
-        let room = max.saturating_sub(held);
-        if blocks.len() as u64 > room {
-            self.over_limit += blocks.len() as u64 - room;
-            &blocks[..room as usize]
-        } else {
-            blocks
+    /// those cut off are counted in `over_limit`. A block the worker holds already (`holds`
+    /// its engine hash) takes no room: a chain stored again (a snapshot restating it) is never
+    /// over the bound. Asked only when the chain is longer than the room left.
+    pub(crate) fn within_bound<'a>(
+        &mut self,
+        blocks: &'a [StoredBlock],
+        held: u64,
+        max: u64,
+        holds: impl Fn(u64) -> bool,
+    ) -> &'a [StoredBlock] {
+        let mut room = max.saturating_sub(held);
+        if blocks.len() as u64 <= room {
+            return blocks;
         }
+        let mut fit = 0;
+        for b in blocks {
+            if !holds(b.block_hash.0) {
+                if room == 0 {
+                    break;
+                }
+                room -= 1;
+            }
+            fit += 1;
+        }
+        self.over_limit += (blocks.len() - fit) as u64;
+        &blocks[..fit]
     }
 }
 

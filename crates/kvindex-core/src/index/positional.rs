@@ -1173,7 +1173,8 @@ impl KvIndex for PositionalIndex {
 
     fn store(&self, w: &mut PositionalWriter, parent: Option<BlockHash>, blocks: &[StoredBlock]) -> ApplyOutcome {
         let mut out = ApplyOutcome::default();
-        let blocks = out.within_bound(blocks, w.blocks.len() as u64, self.cfg.max_blocks_per_worker);
+        let held = &w.blocks;
+        let blocks = out.within_bound(blocks, held.len() as u64, self.cfg.max_blocks_per_worker, |h| held.get(h).is_some());
         if blocks.is_empty() {
             return out;
         }

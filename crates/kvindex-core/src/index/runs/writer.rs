@@ -206,7 +206,8 @@ impl RunIndex {
             return out;
         }
         self.thaw(w);
-        let blocks = out.within_bound(blocks, w.blocks.len() as u64, self.cfg.max_blocks_per_worker);
+        let held = &w.blocks;
+        let blocks = out.within_bound(blocks, held.len() as u64, self.cfg.max_blocks_per_worker, |h| held.get(h).is_some());
         if blocks.is_empty() {
             return out;
         }
