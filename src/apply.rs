@@ -8,9 +8,10 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use kvindex_core::announced::AnnounceOutcome;
+use kvindex_core::digest::Digest;
 use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::{ApplyOutcome, KvIndex};
-use kvindex_core::model::{Model, SavedWorker, WorkerHeld, Writers};
+use kvindex_core::model::{Model, Restate, SavedWorker, WorkerHeld, Writers};
 use kvindex_core::seeded::SeededState;
 use kvindex_core::Event;
 use parking_lot::Mutex;
@@ -27,6 +28,9 @@ pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64, Instant) + Send + 
 /// Work to run on a worker's apply thread once its queued events are applied.
 pub type Then = Box<dyn FnOnce() + Send>;
 
+/// Told a worker's device digest on its apply thread (`None`: the thread does not know it).
+pub type DigestThen = Box<dyn FnOnce(Option<Digest>) + Send>;
+
 /// Called on the apply thread after each announcement or expiry of a worker's announced
 /// blocks: the worker, whether it is routed-only (else the blocks are predictions), what
 /// changed, and whether its slot was refused (every slot taken).
@@ -34,8 +38,9 @@ pub type OnAnnounced = Arc<dyn Fn(WorkerId, bool, &AnnounceOutcome, bool) + Send
 
 /// What the threads are told, through their queues.
 enum Command {
-    /// Applies a worker's batch; `tag` goes to the hook (the daemon's publish time).
-    Apply { worker: WorkerId, events: Vec<Event>, tag: u64 },
+    /// Applies a worker's batch; `tag` goes to the hook (the daemon's publish time);
+    /// `restate` says where it stands in a restatement of the worker.
+    Apply { worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate },
     /// Runs a closure after what is queued before it.
     Then(Then),
     /// A router sent a request with these blocks to the worker.
@@ -54,6 +59,8 @@ enum Command {
     Restore(Box<SavedWorker>),
     /// Answers once what is queued before it is applied.
     Flush(Sender<()>),
+    /// Tells the worker's digest (`None`: not known) once its queued events are applied.
+    Digest(WorkerId, DigestThen),
 }
 
 /// The queue of a thread was full; the batch is handed back.
@@ -63,6 +70,8 @@ pub struct QueueFull {
     pub worker: WorkerId,
     /// Its events, not queued.
     pub events: Vec<Event>,
+    /// Where it stands in a restatement.
+    pub restate: Restate,
 }
 
 /// Counters of the pool, for metrics.
@@ -138,14 +147,20 @@ impl<I: KvIndex> ApplyPool<I> {
 
     /// Queues a worker's batch, waiting while its thread's queue is full.
     pub fn apply(&self, worker: WorkerId, events: Vec<Event>, tag: u64) {
+        self.apply_restating(worker, events, tag, Restate::default());
+    }
+
+    /// [`ApplyPool::apply`] for a batch that may open or end a restatement of the worker
+    /// ([`Model::apply_restating`]).
+    pub fn apply_restating(&self, worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate) {
         // Send fails only once the thread has exited, which happens only on shutdown.
-        let _ = self.senders[self.thread_of(worker)].send(Command::Apply { worker, events, tag });
+        let _ = self.senders[self.thread_of(worker)].send(Command::Apply { worker, events, tag, restate });
     }
 
     /// Queues a worker's batch, or hands it back if its thread's queue is full.
-    pub fn try_apply(&self, worker: WorkerId, events: Vec<Event>, tag: u64) -> Result<(), QueueFull> {
-        match self.senders[self.thread_of(worker)].try_send(Command::Apply { worker, events, tag }) {
-            Err(TrySendError::Full(Command::Apply { worker, events, .. })) => Err(QueueFull { worker, events }),
+    pub fn try_apply(&self, worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate) -> Result<(), QueueFull> {
+        match self.senders[self.thread_of(worker)].try_send(Command::Apply { worker, events, tag, restate }) {
+            Err(TrySendError::Full(Command::Apply { worker, events, restate, .. })) => Err(QueueFull { worker, events, restate }),
             _ => Ok(()),
         }
     }
@@ -214,6 +229,20 @@ impl<I: KvIndex> ApplyPool<I> {
     /// before it; its outcome goes to the hook like an event's.
     pub fn restore(&self, saved: SavedWorker) {
         let _ = self.senders[self.thread_of(saved.worker)].send(Command::Restore(Box::new(saved)));
+    }
+
+    /// Calls `f` with `worker`'s device digest on its thread, once the events queued for it
+    /// so far are applied, waiting while the queue is full.
+    pub fn digest_then(&self, worker: WorkerId, f: DigestThen) {
+        let _ = self.senders[self.thread_of(worker)].send(Command::Digest(worker, f));
+    }
+
+    /// As [`ApplyPool::digest_then`], or hands `f` back if the queue is full.
+    pub fn try_digest_then(&self, worker: WorkerId, f: DigestThen) -> Result<(), DigestThen> {
+        match self.senders[self.thread_of(worker)].try_send(Command::Digest(worker, f)) {
+            Err(TrySendError::Full(Command::Digest(_, f))) => Err(f),
+            _ => Ok(()),
+        }
     }
 
     /// Drops a worker from every part of the model, after its queued events.
@@ -296,9 +325,9 @@ impl<I: KvIndex> ApplyThread<'_, I> {
     fn command(&mut self, cmd: Command) {
         let model = &*self.shared.model;
         match cmd {
-            Command::Apply { worker, events, tag } => {
+            Command::Apply { worker, events, tag, restate } => {
                 let taken = Instant::now();
-                let result = model.apply(&mut self.writers, worker, &events);
+                let result = model.apply_restating(&mut self.writers, worker, &events, restate);
                 if result.is_ok() {
                     self.shared.stats.batches.fetch_add(1, Ordering::Relaxed);
                 }
@@ -339,6 +368,7 @@ impl<I: KvIndex> ApplyThread<'_, I> {
                 self.report(saved.worker, result, 0, taken);
             }
             Command::Then(f) => f(),
+            Command::Digest(worker, f) => f(model.digest(&self.writers, worker)),
             Command::Flush(done) => {
                 let _ = done.send(());
             }

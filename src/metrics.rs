@@ -91,6 +91,10 @@ pub struct IngestMetrics {
     pub midstream_workers: IntCounter,
     /// `kvindex_epoch_changes_total`.
     pub epochs_changed: IntCounter,
+    /// `kvindex_digest_checks_total`.
+    pub digest_checks: IntCounter,
+    /// `kvindex_digest_mismatch_total{source}`.
+    pub digest_mismatches: IntCounterVec,
     /// `kvindex_snapshots_total{result}`: publishers' snapshots.
     pub snapshots: IntCounterVec,
     /// `kvindex_event_lag_seconds`.
@@ -128,6 +132,17 @@ impl IngestMetrics {
                 "kvindex_midstream_workers_total",
                 "Workers first heard mid-sequence (daemon restart, TTL expiry, new epoch): stale until their snapshot.",
             ),
+            digest_checks: counter(
+                r,
+                "kvindex_digest_checks_total",
+                "Digests of a worker's device blocks compared with this index's, the worker in sequence and not stale.",
+            ),
+            digest_mismatches: counter_vec(
+                r,
+                "kvindex_digest_mismatch_total",
+                "Digests that differed from this index's (source: publisher): the worker is flagged stale (drift) and resynced.",
+                &["source"],
+            ),
             epochs_changed: counter(
                 r,
                 "kvindex_epoch_changes_total",
@@ -136,7 +151,7 @@ impl IngestMetrics {
             snapshots: counter_vec(
                 r,
                 "kvindex_snapshots_total",
-                "Snapshot batches that began a snapshot, ended one complete, or ended one with a gap.",
+                "Snapshot batches that began a snapshot, ended one complete (rebuilt), ended one complete that restated a worker held whole (applied as a difference: no answer changed), or ended one with a gap.",
                 &["result"],
             ),
             event_lag: histogram(
@@ -159,6 +174,8 @@ pub struct ApplyMetrics {
     pub unplaceable_blocks: IntCounter,
     /// `kvindex_over_limit_blocks_total`.
     pub over_limit_blocks: IntCounter,
+    /// `kvindex_restatements_given_up_total`.
+    pub restatements_given_up: IntCounter,
     /// `kvindex_unknown_removes_total`.
     pub unknown_removes: IntCounter,
     /// `kvindex_too_deep_blocks_total`.
@@ -179,6 +196,11 @@ impl ApplyMetrics {
                 r,
                 "kvindex_over_limit_blocks_total",
                 "Stored blocks refused because their worker holds max_blocks_per_worker blocks: the worker is flagged stale.",
+            ),
+            restatements_given_up: counter(
+                r,
+                "kvindex_restatements_given_up_total",
+                "Snapshots of workers held whole that named more blocks than a restatement may: the worker is flagged stale until a snapshot rebuilds it.",
             ),
             unknown_removes: counter(r, "kvindex_unknown_removes_total", "Removed block hashes the worker did not hold."),
             too_deep_blocks: counter(
@@ -517,7 +539,8 @@ impl Metrics {
         for scope in ["worker", "all"] {
             self.workers.resync_requests.with_label_values(&[scope]);
         }
-        for result in ["begun", "complete", "gap"] {
+        self.ingest.digest_mismatches.with_label_values(&["publisher"]);
+        for result in ["begun", "complete", "restated", "gap"] {
             self.ingest.snapshots.with_label_values(&[result]);
         }
         for result in ["ok", "error"] {

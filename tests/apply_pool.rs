@@ -129,7 +129,7 @@ fn full_queue_pushes_back_and_loses_nothing() {
     entered_rx.recv().unwrap();
     pool.apply(w, batch(1), 0);
     pool.apply(w, batch(2), 0);
-    let back = pool.try_apply(w, batch(3), 0).expect_err("queue is full");
+    let back = pool.try_apply(w, batch(3), 0, Default::default()).expect_err("queue is full");
     assert_eq!(back.worker, w);
     assert_eq!(back.events, batch(3));
     release_tx.send(()).unwrap();

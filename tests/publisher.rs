@@ -89,6 +89,10 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
             next_id += 1;
             apply(&live, &mut lw, &e);
         }
+        // A digest is of the blocks the events up to it leave.
+        if let Some(d) = b.header.digest {
+            assert_eq!(d, live.digest(&lw), "the digest after event {next_id}");
+        }
     }
 
     // ...and so is a snapshot applied to an empty one.
@@ -113,6 +117,7 @@ async fn snapshots_rebuild_the_engine_state_in_chunks_parents_first() {
         }
         chunks += 1;
         if b.header.snapshot_end {
+            assert_eq!(b.header.digest, Some(snap.digest(&sw)), "a snapshot ends with the digest of what it sent");
             break;
         }
     }
@@ -187,7 +192,9 @@ async fn answers_its_own_rank_and_broadcasts_and_skips_orphans() {
     assert_eq!(ev[0].data, Event::Cleared);
     assert_eq!(ev[1], KvEvent::stored(4, None, &[(4, 40)]));
     assert_eq!(p.stats().orphans_skipped, 2);
-    assert_eq!(p.len(), 3);
+    // Forgotten, so that the publisher's digest stays the digest of what kvindex holds.
+    assert_eq!(p.len(), 1);
+    assert_eq!(b.header.digest, Some(kvindex_client::core::digest::Digest::of([4])));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

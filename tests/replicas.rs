@@ -6,12 +6,14 @@ mod support;
 
 use futures::StreamExt;
 use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent, ResyncAck};
-use kvindex_client::{LookupClient, MatchEntry, Query};
-use kvindex_core::{Event, LocalHash};
+use kvindex_client::{LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
+use kvindex_core::{Event, LocalHash, StoredBlock};
+use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use support::{eventually, Daemon, NatsServer};
+use support::process::DaemonProcess;
+use support::{eventually, free_port, Daemon, NatsServer};
 
 const CHAIN: [(u64, u64); 3] = [(10, 1), (11, 2), (12, 3)];
 
@@ -95,4 +97,201 @@ async fn a_restarted_replica_answers_only_once_rebuilt() {
     assert!(shared.is_some(), "B answers lookups once rebuilt");
     b.stop().await.unwrap();
     a.stop().await.unwrap();
+}
+
+/// Publishes `events` as one batch of worker `id` (epoch 1), a snapshot's when `snapshot` says
+/// so (`Some(end)`), and flushes.
+async fn send(client: &async_nats::Client, id: u64, snapshot: Option<bool>, events: Vec<KvEvent>) {
+    let header = BatchHeader {
+        worker_id: id,
+        epoch: 1,
+        snapshot: snapshot.is_some(),
+        snapshot_end: snapshot == Some(true),
+        ..BatchHeader::default()
+    };
+    let batch = EventBatch { header, worker: None, events: events.into_iter().map(Ok).collect() };
+    client.publish(format!("t.events.{id}"), encode_batch(&batch).into()).await.unwrap();
+    client.flush().await.unwrap();
+}
+
+fn whole(worker_id: u64, blocks: u32) -> MatchEntry {
+    MatchEntry { worker_id, dp_rank: 0, blocks, stale: false, tiers: Default::default(), ..Default::default() }
+}
+
+/// A snapshot of a worker this replica holds whole (what a sibling's restart asks every
+/// publisher for) is applied as a difference: while it is half in, the worker is still
+/// answered whole and unflagged; once it ends, the worker holds exactly what it named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_restating_a_whole_worker_changes_no_answer() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(2));
+    let query = Query::hashes(&CHAIN.map(|(_, l)| LocalHash(l)));
+    send(&client, 1, None, vec![KvEvent::stored(0, None, &CHAIN)]).await;
+    let held = eventually(10, || async { lookups.lookup(&query).await.ok().filter(|a| a.matches == [whole(1, 3)]) }).await;
+    assert!(held.is_some(), "worker 1 holds the chain");
+
+    // The snapshot's first half: its `cleared` and the first two blocks.
+    let first = vec![KvEvent { event_id: 1, data: Event::Cleared }, KvEvent::stored(2, None, &CHAIN[..2])];
+    send(&client, 1, Some(false), first).await;
+    // Worker 2's batch, sent after it on the same connection, is ingested after it: once
+    // worker 2 is answered, worker 1's half snapshot has been taken in.
+    send(&client, 2, None, vec![KvEvent::stored(0, None, &[(20, 9)])]).await;
+    let other = Query::hashes(&[LocalHash(9)]);
+    let seen = eventually(10, || async { lookups.lookup(&other).await.ok().filter(|a| a.matches == [whole(2, 1)]) }).await;
+    assert!(seen.is_some(), "worker 2 is in");
+    let mid = lookups.lookup(&query).await.unwrap();
+    assert_eq!((mid.matches, mid.stale_workers), (vec![whole(1, 3)], vec![]), "mid-snapshot, worker 1 is as it was");
+
+    // The rest names block 13 under block 11, not block 12: the worker ends as the snapshot.
+    send(&client, 1, Some(true), vec![KvEvent::stored(3, Some(11), &[(13, 4)])]).await;
+    let now = Query::hashes(&[LocalHash(1), LocalHash(2), LocalHash(4)]);
+    let done = eventually(10, || async { lookups.lookup(&now).await.ok().filter(|a| a.matches == [whole(1, 3)]) }).await;
+    assert!(done.is_some(), "the snapshot's new block is in");
+    assert_eq!(lookups.lookup(&query).await.unwrap().matches, [whole(1, 2)], "block 12, not in the snapshot, is gone");
+    assert_eq!(d.metric("kvindex_index_blocks").await, 4.0, "10, 11, 13 and worker 2's");
+    assert_eq!(d.metric("kvindex_snapshots_total{result=\"restated\"}").await, 1.0);
+    assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
+    d.stop().await.unwrap();
+}
+
+/// A replica's answers while its sibling is killed (SIGKILL) and restarted twenty times: each
+/// restart asks every publisher for a snapshot, and the healthy replica restates them, so no
+/// answer of it ever leaves out or flags a worker that holds the whole query.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sibling_s_restarts_never_drop_a_worker_from_a_replica_s_answers() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let a = Daemon::start(&nats.url(), |cfg| {
+        cfg.query_addr = format!("127.0.0.1:{}", free_port());
+        cfg.block_size = Some(4);
+    })
+    .await;
+    // Four engines holding one six-block prefix and a tail of their own.
+    let mut publishers = Vec::new();
+    for id in 1..=4u64 {
+        let mut cfg = PublisherConfig::new("t", id, 0);
+        cfg.linger = Duration::ZERO;
+        let p = Publisher::start(client.clone(), cfg).await.unwrap();
+        let blocks: Vec<StoredBlock> =
+            (0..8u64).map(|i| StoredBlock::new(id * 100 + i, if i < 6 { i + 1 } else { id * 10 + i })).collect();
+        p.stored(None, &blocks);
+        publishers.push(p);
+    }
+    let (addr, hashes) = (a.cfg.query_addr.clone(), json!([1, 2, 3, 4, 5, 6]));
+    let ask = move || {
+        let (addr, body) = (addr.clone(), json!({"block_hashes": hashes.clone()}).to_string());
+        async move {
+            let (code, text) = kvindex::cli::http::request(&addr, "POST", "/query_by_hash", None, Some(&body)).await?;
+            (code == 200).then(|| serde_json::from_str::<Value>(&text).ok()).flatten()
+        }
+    };
+    // Each engine at the prefix's six blocks, 24 tokens, unflagged.
+    fn whole(a: &Value) -> bool {
+        let flagged = |i: &Value| i["stale"] == json!(true);
+        a["scores"] == json!({"1": {"0": 24}, "2": {"0": 24}, "3": {"0": 24}, "4": {"0": 24}})
+            && a["stale_workers"].as_array().is_none_or(|s| s.is_empty())
+            && a["instances"].as_object().is_some_and(|i| !i.values().any(flagged))
+    }
+    let ready = eventually(10, || async { ask().await.filter(whole) }).await;
+    assert!(ready.is_some(), "replica A holds every engine's prefix: {:?}", ask().await);
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (stop, ask) = (stop.clone(), ask.clone());
+        async move {
+            let (mut answered, mut wrong) = (0u64, Vec::new());
+            while !stop.load(Ordering::Relaxed) {
+                let answer = ask().await.expect("replica A answers");
+                if !whole(&answer) {
+                    wrong.push(answer);
+                }
+                answered += 1;
+            }
+            (answered, wrong)
+        }
+    });
+    let mut b = DaemonProcess::start(&nats.url(), &[], &[("READY_SETTLE_MS", "100")]);
+    b.wait_ready(30).await;
+    for _ in 0..20 {
+        b.kill9();
+        b.restart();
+        b.wait_ready(30).await;
+    }
+    // Every engine answered every restart's broadcast; A restated each snapshot.
+    let restated =
+        eventually(20, || async { (a.metric("kvindex_snapshots_total{result=\"restated\"}").await >= 21.0).then_some(()) }).await;
+    stop.store(true, Ordering::Relaxed);
+    let (answered, wrong) = watcher.await.unwrap();
+    assert_eq!(wrong.len(), 0, "answers that left out or flagged an engine, of {answered}: {wrong:?}");
+    assert!(restated.is_some(), "A restated the snapshots of 21 broadcasts");
+    assert!(answered >= 100, "lookups flowed throughout ({answered})");
+    assert_eq!(a.metric("kvindex_snapshots_total{result=\"complete\"}").await, 0.0, "A never rebuilt a worker");
+    b.terminate();
+    drop(publishers);
+    a.stop().await.unwrap();
+}
+
+/// A thousand workers resync at once (two rounds of snapshots, each in two batches) while the
+/// replica answers: every answer names all thousand at their whole depth, unflagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_workers_resyncing_never_leave_an_answer() {
+    const WORKERS: u64 = 1000;
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    // Worker `id` holds the prefix 1, 2, 3, 4 as blocks id*10 .. id*10+3.
+    let blocks = |id: u64| -> Vec<(u64, u64)> { (0..4).map(|i| (id * 10 + i, i + 1)).collect() };
+    for id in 1..=WORKERS {
+        send(&client, id, None, vec![KvEvent::stored(0, None, &blocks(id))]).await;
+    }
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(5));
+    let query = Query::hashes(&[LocalHash(1), LocalHash(2), LocalHash(3), LocalHash(4)]);
+    // Every worker at its whole depth, unflagged.
+    fn whole_answer(a: &kvindex_client::Answer) -> bool {
+        let mut ids: Vec<u64> = a.matches.iter().filter(|m| **m == whole(m.worker_id, 4)).map(|m| m.worker_id).collect();
+        ids.sort_unstable();
+        a.matches.len() == WORKERS as usize && ids == (1..=WORKERS).collect::<Vec<_>>() && a.stale_workers.is_empty()
+    }
+    let ready = eventually(20, || async { lookups.lookup(&query).await.ok().filter(whole_answer) }).await;
+    assert!(
+        ready.is_some(),
+        "every worker is in: {:?}",
+        lookups.lookup(&query).await.map(|a| (a.matches.len(), a.matches.first().cloned(), a.stale_workers.len()))
+    );
+
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let watcher = tokio::spawn({
+        let (stop, lookups, query) = (stop.clone(), lookups.clone(), query.clone());
+        async move {
+            let (mut answered, mut wrong) = (0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                let answer = lookups.lookup(&query).await.expect("the replica answers");
+                wrong += u64::from(!whole_answer(&answer));
+                answered += 1;
+            }
+            (answered, wrong)
+        }
+    });
+    for round in 0..2u64 {
+        let id0 = 1 + round * 3;
+        for id in 1..=WORKERS {
+            let b = blocks(id);
+            let first = vec![KvEvent { event_id: id0, data: Event::Cleared }, KvEvent::stored(id0 + 1, None, &b[..2])];
+            send(&client, id, Some(false), first).await;
+            send(&client, id, Some(true), vec![KvEvent::stored(id0 + 2, Some(b[1].0), &b[2..])]).await;
+        }
+    }
+    let restated = eventually(30, || async {
+        (d.metric("kvindex_snapshots_total{result=\"restated\"}").await == 2.0 * WORKERS as f64).then_some(())
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    let (answered, wrong) = watcher.await.unwrap();
+    assert_eq!(wrong, 0, "answers that left out or flagged a worker, of {answered}");
+    assert!(restated.is_some(), "every snapshot was restated");
+    assert!(answered > 0);
+    assert_eq!(d.metric("kvindex_index_blocks").await, 4.0 * WORKERS as f64);
+    d.stop().await.unwrap();
 }

@@ -26,12 +26,15 @@ pub(super) struct Cursor {
     pub(super) snapshot_clean: bool,
     /// Its last batch said `incomplete`: only around such batches is its stale flag looked up.
     pub(super) incomplete: bool,
+    /// A snapshot of it, held whole when it opened, is being applied as a difference (a
+    /// restatement) until the snapshot ends.
+    pub(super) restating: bool,
 }
 
 impl Cursor {
     /// A cursor at the start of `epoch`: nothing known of its sequence.
     pub(super) fn start(epoch: u64, now: Instant) -> Cursor {
-        Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false, incomplete: false }
+        Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false, incomplete: false, restating: false }
     }
 }
 

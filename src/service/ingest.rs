@@ -5,10 +5,12 @@
 use super::cursors::{Cursor, Cursors, Refusal};
 use super::stale::INCOMPLETE;
 use super::State;
-use crate::apply::{ApplyPool, Then};
+use crate::apply::{ApplyPool, DigestThen, Then};
 use kvindex_client::protocol::{decode_batch, BatchHeader, DecodeError, EventBatch, KvEvent};
+use kvindex_core::digest::Digest;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
+use kvindex_core::model::Restate;
 use kvindex_core::names::WorkerInfo;
 use kvindex_core::{Event, Tier};
 use std::sync::Arc;
@@ -29,7 +31,39 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     let followed = follow(state, cursor, worker, &header, new_epoch, events);
     drop(cursors);
     let clear_after = flag(state, worker, &header, &followed, clear_after);
-    hand_off(state, pool, worker, followed.events, header.ts_ns, clear_after);
+    let check = followed.digest.filter(|_| clear_after.is_none() && state.stale.get(&worker).is_none());
+    hand_off(state, pool, worker, followed.events, followed.restate, header.ts_ns, clear_after);
+    if let Some(want) = check {
+        check_digest(state, pool, worker, want);
+    }
+}
+
+/// Compares the publisher's digest with the worker's here once the batch is applied: a
+/// difference (an event lost without a gap, or applied wrong) is counted, and the worker is
+/// flagged stale (`drift`) and asked for a snapshot, which heals it.
+fn check_digest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: WorkerId, want: Digest) {
+    let st = state.clone();
+    let check: DigestThen = Box::new(move |held| {
+        // Marked stale meanwhile (a store it could not place): its snapshot will tell.
+        if st.stale.get(&worker).is_some() {
+            return;
+        }
+        st.metrics.ingest.digest_checks.inc();
+        let held = held.unwrap_or_default();
+        if held != want {
+            st.metrics.ingest.digest_mismatches.with_label_values(&["publisher"]).inc();
+            st.log.warn("drift", || {
+                format!(
+                    "worker {worker} drifted: its publisher holds {} device blocks (digest {:016x}), this index {} ({:016x}); marked stale, asking it to resync",
+                    want.blocks, want.sum, held.blocks, held.sum
+                )
+            });
+            st.stale.mark(worker, "drift");
+        }
+    });
+    if let Err(check) = pool.try_digest_then(worker, check) {
+        tokio::task::block_in_place(|| pool.digest_then(worker, check));
+    }
 }
 
 /// The worker id the subject names, if it may publish here: canonical decimal, not
@@ -133,6 +167,11 @@ struct Followed {
     snapshot_done: bool,
     /// The batch before this one said `incomplete`.
     was_incomplete: bool,
+    /// Where the batch stands in a restatement of the worker.
+    restate: Restate,
+    /// The publisher's digest, to compare once the batch is applied: the batch kept the
+    /// worker in sequence and no restatement is open.
+    digest: Option<Digest>,
 }
 
 /// Follows the batch's events through the worker's sequence: duplicates dropped, gaps and a
@@ -151,8 +190,16 @@ fn follow(
     if new_epoch {
         applied.push(Event::Cleared);
     }
-    let mut seen =
-        Followed { events: applied, gap: false, midstream: false, opened: false, snapshot_done: false, was_incomplete: false };
+    let mut seen = Followed {
+        events: applied,
+        gap: false,
+        midstream: false,
+        opened: false,
+        snapshot_done: false,
+        was_incomplete: false,
+        restate: Restate::default(),
+        digest: None,
+    };
     for ev in events {
         let ev = match ev {
             Ok(ev) => ev,
@@ -180,10 +227,23 @@ fn follow(
             }
             _ => {}
         }
+        // A snapshot of a worker held whole (in sequence, not stale) restates it: applied as
+        // the difference from what it holds, without its `cleared`, so no answer changes.
+        let restates = opens_snapshot
+            && !new_epoch
+            && cursor.next_id == Some(ev.event_id)
+            && !seen.gap
+            && !seen.midstream
+            && state.stale.get(&worker).is_none();
         cursor.next_id = Some(ev.event_id + 1);
         if opens_snapshot {
             cursor.snapshot_clean = true;
+            cursor.restating = restates;
             seen.opened = true;
+            seen.restate.opens = restates;
+            if restates {
+                continue;
+            }
         }
         count_event(state, &ev.data);
         seen.events.push(ev.data);
@@ -192,8 +252,13 @@ fn follow(
     seen.snapshot_done = header.snapshot && header.snapshot_end && cursor.snapshot_clean && !seen.gap;
     if header.snapshot_end {
         cursor.snapshot_clean = false;
+        if std::mem::take(&mut cursor.restating) {
+            seen.restate.ends = Some(seen.snapshot_done);
+        }
     }
     seen.was_incomplete = std::mem::replace(&mut cursor.incomplete, header.incomplete);
+    let in_sequence = !seen.gap && !seen.midstream && header.next_event_id.is_some() && cursor.next_id == header.next_event_id;
+    seen.digest = header.digest.filter(|_| in_sequence && !cursor.restating && !header.incomplete);
     seen
 }
 
@@ -239,7 +304,9 @@ fn count_event(state: &State, ev: &Event) {
 fn flag(state: &State, worker: WorkerId, header: &BatchHeader, seen: &Followed, mut clear_after: Option<u64>) -> Option<u64> {
     if header.snapshot && (seen.opened || header.snapshot_end) {
         state.health.snapshot_progress(worker, seen.opened, header.snapshot_end);
-        let result = if seen.snapshot_done {
+        let result = if seen.snapshot_done && seen.restate.ends.is_some() {
+            "restated"
+        } else if seen.snapshot_done {
             "complete"
         } else if header.snapshot_end {
             "gap"
@@ -259,12 +326,12 @@ fn flag(state: &State, worker: WorkerId, header: &BatchHeader, seen: &Followed, 
         // Whole again once the snapshot is *applied*: cleared from the worker's apply thread,
         // after this batch, unless something marks it stale again meanwhile. A snapshot opened
         // and ended in this one batch is flagged too while it is applied: between its
-        // `cleared` and its stores the worker's state is partial.
-        if seen.opened {
+        // `cleared` and its stores the worker's state is partial (not so in a restatement).
+        if seen.opened && !seen.restate.opens {
             state.stale.mark_asked(worker, "snapshot_in_progress");
         }
         clear_after = state.stale.marked_at(&worker);
-    } else if seen.opened {
+    } else if seen.opened && !seen.restate.opens {
         // Its state is partial until the snapshot ends: flag it, but ask for nothing unless
         // the snapshot stalls.
         state.stale.mark_asked(worker, "snapshot_in_progress");
@@ -295,12 +362,13 @@ fn hand_off<I: KvIndex>(
     pool: &ApplyPool<I>,
     worker: WorkerId,
     events: Vec<Event>,
+    restate: Restate,
     ts_ns: u64,
     clear_after: Option<u64>,
 ) {
-    if !events.is_empty() {
-        if let Err(full) = pool.try_apply(worker, events, ts_ns) {
-            tokio::task::block_in_place(|| pool.apply(full.worker, full.events, ts_ns));
+    if !events.is_empty() || restate != Restate::default() {
+        if let Err(full) = pool.try_apply(worker, events, ts_ns, restate) {
+            tokio::task::block_in_place(|| pool.apply_restating(full.worker, full.events, ts_ns, full.restate));
         }
     }
     if let Some(generation) = clear_after {

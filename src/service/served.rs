@@ -125,7 +125,9 @@ impl<I: KvIndex> Running<I> {
         metrics.index.apply_queue_capacity.set(cfg.queue_capacity as i64);
         let (resync_tx, resync_rx) = mpsc::unbounded_channel();
         let state = Arc::new(State::new(cfg.clone(), metrics.clone(), resync_tx));
-        let model = Arc::new(Model::complete(&make, cfg.announcing()));
+        // A restatement names a worker's blocks in every tier and group: four tiers' bounds.
+        let restate_max = usize::try_from(cfg.max_blocks_per_worker.saturating_mul(4)).unwrap_or(usize::MAX);
+        let model = Arc::new(Model::complete(&make, cfg.announcing()).with_restate_max(restate_max));
         let pool = Arc::new(ApplyPool::new(
             model,
             cfg.apply_threads(),
@@ -245,6 +247,14 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
                 )
             });
             state.stale.mark(worker, "over_limit");
+        }
+        if out.restatements_given_up > 0 {
+            // Its old blocks stay beside the snapshot's: stale until a snapshot rebuilds it.
+            metrics.apply.restatements_given_up.inc_by(out.restatements_given_up);
+            state.log.warn("snapshot_too_large", || {
+                format!("gave up restating worker {worker}: its snapshot names more blocks than a worker may hold; it is stale")
+            });
+            state.stale.mark(worker, "snapshot_too_large");
         }
         if out.unplaceable > 0 {
             // Its position and prefix are unknown: the worker's state is off until a resync.

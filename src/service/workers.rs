@@ -56,7 +56,7 @@ struct Blocks {
 #[derive(Serialize, Deserialize)]
 pub(super) struct Stale {
     /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `over_limit`,
-    /// `slow_consumer`, `stale_in_snapshot` or `incomplete` (OPERATIONS.md, "Looking inside",
+    /// `snapshot_too_large`, `drift`, `slow_consumer`, `stale_in_snapshot` or `incomplete` (OPERATIONS.md, "Looking inside",
     /// says what each means; TROUBLESHOOTING.md what to do).
     pub(super) reason: std::borrow::Cow<'static, str>,
     /// Milliseconds since it went stale.

@@ -7,6 +7,7 @@
 //! array form; hashes are accepted as unsigned or as signed 64-bit integers (two's complement,
 //! for publishers in languages without u64).
 
+use kvindex_core::digest::Digest;
 use kvindex_core::groups::{GroupKind, MAX_GROUP};
 use kvindex_core::hash::{local_hashes_ahead, BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::model::{Answer, Depths};
@@ -484,8 +485,19 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             false
         }
     };
-    let names =
-        ["worker_id", "dp_rank", "epoch", "ts_ns", "snapshot", "events", "snapshot_end", "next_event_id", "incomplete", "worker"];
+    let names = [
+        "worker_id",
+        "dp_rank",
+        "epoch",
+        "ts_ns",
+        "snapshot",
+        "events",
+        "snapshot_end",
+        "next_event_id",
+        "incomplete",
+        "worker",
+        "digest",
+    ];
     let mut info = None;
     let mut rd = Rd::new(bytes);
     let read = fields(&mut rd, &names, |k, rd| {
@@ -521,6 +533,10 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             b"next_event_id" if !is_nil(v) => h.next_event_id = Some(uint(v, &mut bad)),
             b"incomplete" => h.incomplete = flag(v, &mut bad),
             b"worker" if !is_nil(v) => info = Some(read_info(v)),
+            b"digest" if !is_nil(v) => match read_digest(v) {
+                Some(d) => h.digest = Some(d),
+                None => bad = true,
+            },
             _ => {}
         }
         Some(())
@@ -534,6 +550,16 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         return Err(DecodeError::BadBatch);
     }
     Ok(EventBatch { header: h, worker: info, events })
+}
+
+/// A batch's `digest`: `[blocks, sum]`.
+fn read_digest(v: &[u8]) -> Option<Digest> {
+    let mut rd = Rd::new(v);
+    let Head::Array(2) = rd.head()? else { return None };
+    match (rd.head()?, rd.head()?) {
+        (Head::Uint(blocks), Head::Uint(sum)) => Some(Digest { blocks, sum }),
+        _ => None,
+    }
 }
 
 /// A batch's `worker` map (`name`, and optionally `url`, `model`, `block_size`), checked.
@@ -716,6 +742,10 @@ pub struct BatchHeader {
     /// the engine, or lost events it could not recover): lookups flag the worker stale while
     /// its batches say so. Written only when true.
     pub incomplete: bool,
+    /// The digest of the device blocks the publisher holds after every event before
+    /// `next_event_id` (sent with it, once a heartbeat interval): kvindex compares it with
+    /// its own and resyncs a worker that drifted.
+    pub digest: Option<Digest>,
 }
 
 /// Writes a batch's envelope, up to and including the length of its `events` list; the
@@ -728,7 +758,8 @@ pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
 /// engine is (`worker`) when given.
 pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Option<&WorkerInfo>, events: u32) {
     use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
-    let _ = write_map_len(out, 7 + h.next_event_id.is_some() as u32 + h.incomplete as u32 + worker.is_some() as u32);
+    let optional = h.next_event_id.is_some() as u32 + h.incomplete as u32 + worker.is_some() as u32 + h.digest.is_some() as u32;
+    let _ = write_map_len(out, 7 + optional);
     if let Some(info) = worker {
         write_info(out, info);
     }
@@ -747,6 +778,12 @@ pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Opti
     if h.incomplete {
         let _ = write_str(out, "incomplete");
         let _ = write_bool(out, true);
+    }
+    if let Some(d) = h.digest {
+        let _ = write_str(out, "digest");
+        let _ = write_array_len(out, 2);
+        let _ = write_uint(out, d.blocks);
+        let _ = write_uint(out, d.sum);
     }
     let _ = write_str(out, "events");
     let _ = write_array_len(out, events);
@@ -1415,6 +1452,7 @@ mod tests {
                 snapshot_end: false,
                 next_event_id: None,
                 incomplete: false,
+                digest: None,
             },
             worker: None,
             events: vec![
@@ -1712,7 +1750,8 @@ mod tests {
             })).collect();
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
             let incomplete = ids.len() % 3 == 0;
-            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete };
+            let digest = (ids.len() % 4 == 1).then(|| Digest { blocks: ids.len() as u64, sum: ids.first().map_or(0, |x| x.0) });
+            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete, digest };
             let batch = EventBatch { header, worker: None, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);

@@ -29,6 +29,7 @@ use crate::shards::ResyncShard;
 use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
+use kvindex_core::digest::Digest;
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::names::WorkerInfo;
 use kvindex_core::{Event, GroupKind, Tier};
@@ -48,8 +49,8 @@ const STORED_OVERHEAD: usize = 80;
 /// Bytes one hash takes in a `removed` event, and the event's other bytes at most.
 const HASH_BYTES: usize = 9;
 const REMOVED_OVERHEAD: usize = 48;
-/// Room kept for a batch's envelope.
-const HEADER_BYTES: usize = 128;
+/// Room kept for a batch's envelope (its digest included).
+const HEADER_BYTES: usize = 192;
 
 /// How a publisher batches and where it sends.
 #[derive(Clone, Debug)]
@@ -168,6 +169,14 @@ struct Inner {
     incomplete: bool,
     /// When a batch last said what the engine is (`None`: not yet).
     named_at: Option<Instant>,
+    /// The digest of the device blocks held (`blocks[0]`'s keys), kept as they come and go.
+    digest: Digest,
+    /// When a batch last carried the digest (`None`: not yet).
+    digested_at: Option<Instant>,
+    /// Test builds: the next event is kept in the block set but never sent, as a bridge that
+    /// loses an event silently would (no gap in the ids: only the digest can tell).
+    #[cfg(feature = "fault-injection")]
+    lose_next: bool,
 }
 
 enum Out {
@@ -231,6 +240,10 @@ impl Publisher {
                 dropping: false,
                 incomplete: false,
                 named_at: None,
+                digest: Digest::default(),
+                digested_at: None,
+                #[cfg(feature = "fault-injection")]
+                lose_next: false,
             }),
             out: tx,
             wake: Notify::new(),
@@ -271,7 +284,11 @@ impl Publisher {
         let mut inner = s.inner.lock();
         let mut prev = parent;
         for b in blocks {
-            inner.blocks[tier as usize].insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash });
+            let new =
+                inner.blocks[tier as usize].insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash }).is_none();
+            if new && tier == Tier::Device {
+                inner.digest.add(b.block_hash.0);
+            }
             prev = Some(b.block_hash);
         }
         let mut parent = parent;
@@ -291,7 +308,9 @@ impl Publisher {
         let s = &self.shared;
         let mut inner = s.inner.lock();
         for h in hashes {
-            inner.blocks[tier as usize].remove(h);
+            if inner.blocks[tier as usize].remove(h).is_some() && tier == Tier::Device {
+                inner.digest.remove(h.0);
+            }
         }
         for piece in hashes.chunks(s.max_event_hashes) {
             s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_removed(out, id, piece, tier));
@@ -327,6 +346,14 @@ impl Publisher {
         }
     }
 
+    /// Test builds: the next event is kept in this publisher's block set and digest but never
+    /// sent, and takes no event id: a bridge losing an event silently, which only the digest
+    /// can tell.
+    #[cfg(feature = "fault-injection")]
+    pub fn lose_next_event(&self) {
+        self.shared.inner.lock().lose_next = true;
+    }
+
     /// The engine dropped every block, in every tier and group (e.g. a cache reset).
     pub fn cleared(&self) {
         let s = &self.shared;
@@ -334,6 +361,7 @@ impl Publisher {
         for tier in inner.blocks.iter_mut() {
             tier.clear();
         }
+        inner.digest = Digest::default();
         for (_, held) in inner.groups.values_mut() {
             held.clear();
         }
@@ -436,6 +464,10 @@ impl Shared {
     /// Appends one event (at most `size` bytes, written by `write` under the next event id),
     /// sending the batch first if the event would not fit and afterwards if it is full.
     fn push(&self, inner: &mut Inner, size: usize, write: impl FnOnce(&mut Vec<u8>, u64)) {
+        #[cfg(feature = "fault-injection")]
+        if std::mem::take(&mut inner.lose_next) {
+            return;
+        }
         if inner.pending_events > 0 && inner.pending.len() + size + HEADER_BYTES > self.max_message {
             self.send_pending(inner, false, false);
         }
@@ -462,7 +494,7 @@ impl Shared {
             return;
         }
         let mut msg = Vec::with_capacity(HEADER_BYTES + inner.pending.len());
-        let header = self.header(inner, snapshot, snapshot_end);
+        let header = self.header(inner, snapshot, snapshot_end, false);
         write_batch_header_named(&mut msg, &header, self.naming(inner, snapshot), inner.pending_events);
         msg.extend_from_slice(&inner.pending);
         let first_id = inner.next_id - inner.pending_events as u64;
@@ -497,7 +529,13 @@ impl Shared {
 
     /// This worker's envelope, stamped now; `next_event_id` tells kvindex what it should
     /// have seen by the end of this batch.
-    fn header(&self, inner: &Inner, snapshot: bool, snapshot_end: bool) -> BatchHeader {
+    /// The digest rides on heartbeats, on a snapshot's end, and once a heartbeat interval on
+    /// a busy publisher.
+    fn header(&self, inner: &mut Inner, snapshot: bool, snapshot_end: bool, heartbeat: bool) -> BatchHeader {
+        let due = heartbeat || snapshot_end || inner.digested_at.is_none_or(|t| t.elapsed() >= self.cfg.heartbeat);
+        if due {
+            inner.digested_at = Some(Instant::now());
+        }
         BatchHeader {
             worker_id: self.cfg.worker_id,
             dp_rank: self.cfg.dp_rank,
@@ -507,6 +545,7 @@ impl Shared {
             snapshot_end,
             next_event_id: Some(inner.next_id),
             incomplete: inner.incomplete,
+            digest: due.then_some(inner.digest),
         }
     }
 
@@ -524,7 +563,7 @@ impl Shared {
 
     fn heartbeat(&self, inner: &mut Inner) {
         let mut msg = Vec::with_capacity(HEADER_BYTES);
-        let header = self.header(inner, false, false);
+        let header = self.header(inner, false, false, true);
         write_batch_header_named(&mut msg, &header, self.naming(inner, true), 0);
         self.counters.heartbeats.fetch_add(1, Ordering::Relaxed);
         self.send(inner, msg.into(), None);
@@ -595,6 +634,7 @@ impl Shared {
             }
         }
         let mut chain: Vec<StoredBlock> = Vec::new();
+        let mut reached: Vec<BlockHash> = Vec::new();
         let mut sent = 0;
         while let Some((parent, start)) = stack.pop() {
             chain.clear();
@@ -610,6 +650,7 @@ impl Shared {
                 }
             }
             sent += chain.len();
+            reached.extend(chain.iter().map(|b| b.block_hash));
             // The chain in pieces that fit the current chunk; each piece hangs off the last.
             let mut parent = parent;
             let mut rest = &chain[..];
@@ -626,6 +667,15 @@ impl Shared {
                 inner.pending_events += 1;
                 parent = piece.last().map(|b| b.block_hash);
                 rest = tail;
+            }
+        }
+        // Blocks no chain reaches (their parent is gone) are not sent, so kvindex will not
+        // hold them: forgotten here too, so that the digest stays the digest of kvindex's.
+        if sent < inner.blocks[tier as usize].len() {
+            let reached: FxHashSet<BlockHash> = reached.into_iter().collect();
+            inner.blocks[tier as usize].retain(|h, _| reached.contains(h));
+            if tier == Tier::Device {
+                inner.digest = Digest::of(inner.blocks[tier as usize].keys().map(|h| h.0));
             }
         }
         sent

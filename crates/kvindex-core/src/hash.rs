@@ -98,7 +98,7 @@ pub struct WorkerId {
 
 impl WorkerId {
     /// The worker `worker_id`, rank `dp_rank`.
-    pub fn new(worker_id: u64, dp_rank: u32) -> Self {
+    pub const fn new(worker_id: u64, dp_rank: u32) -> Self {
         WorkerId { worker_id, dp_rank }
     }
 }

@@ -10,6 +10,8 @@
 //!   kvindex's rolling prefix hashes, worker identities, token hashing (XXH3-64, seed 1337).
 //! - [`event`]: the one domain event type (`stored`, `removed`, `cleared`) that the wire
 //!   decoder, the replay stream and the benchmarks convert into.
+//! - [`digest`]: an order-independent digest of a worker's blocks, kept by the index and by
+//!   publishers alike, so that drift between them shows.
 //! - [`seeded`]: hashing keyed with a per-process random seed, for every table keyed by
 //!   values that publishers or routers choose (hash-flooding resistance).
 //! - [`names`]: what a publisher says its engine is (name, URL, model, block size), and the
@@ -59,6 +61,7 @@
 #![deny(missing_docs)]
 
 pub mod announced;
+pub mod digest;
 pub mod event;
 pub mod groups;
 pub mod hash;

@@ -204,6 +204,18 @@ fn check_depth(ops: &[Op], jump: usize, spread: u64, max_depth: u32) -> Result<(
         let got_u = runs.apply(op);
         prop_assert_eq!(&got_u, &want, "runs differs at op {} {:?}", i, op);
         prop_assert_eq!(&got_p, &want, "positional differs at op {} {:?}", i, op);
+        // Each worker's digest (the run index keeps its own as blocks come and go) is the
+        // digest of what the reference holds for it.
+        for (w, writer) in &reference.writers {
+            let want = reference.index.digest(writer);
+            prop_assert_eq!(runs.writers.get(w).map(|x| runs.index.digest(x)), Some(want), "runs digest at op {}", i);
+            prop_assert_eq!(
+                positional.writers.get(w).map(|x| positional.index.digest(x)),
+                Some(want),
+                "positional digest at op {}",
+                i
+            );
+        }
     }
     // After the stream, every prefix of every chain any worker could hold must agree too.
     let p = positional.index.stats();

@@ -12,6 +12,7 @@ pub mod positional;
 pub mod reference;
 pub mod runs;
 
+use crate::digest::Digest;
 use crate::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use crate::seeded::SeededState;
 use crate::workers::{RegistryError, Slot, SlotBits, WorkerRegistry};
@@ -48,6 +49,9 @@ pub struct ApplyOutcome {
     /// worker's primary group) or removed without being held: the worker's depth can only
     /// come out shallower for them, so they never make it stale (see [`crate::groups`]).
     pub group_missed: u64,
+    /// Restatements given up because the snapshot named more blocks than one may: the worker
+    /// keeps its old blocks beside the new, so it is stale until a snapshot rebuilds it.
+    pub restatements_given_up: u64,
 }
 
 impl ApplyOutcome {
@@ -95,6 +99,7 @@ impl ApplyOutcome {
         self.over_limit += other.over_limit;
         self.tier_unplaceable += other.tier_unplaceable;
         self.group_missed += other.group_missed;
+        self.restatements_given_up += other.restatements_given_up;
     }
 }
 
@@ -377,6 +382,14 @@ pub trait KvIndex: Send + Sync + 'static {
         self.save(w).blocks.len() as u64
     }
 
+    /// The digest of the engine hashes the worker holds, placed or past the maximum depth:
+    /// what its publisher's digest of the same blocks must equal (see [`crate::digest`]). By
+    /// default computed from [`KvIndex::save`]; the run index keeps its own as blocks come and go.
+    fn digest(&self, w: &Self::Writer) -> Digest {
+        let saved = self.save(w);
+        Digest::of(saved.blocks.iter().map(|b| b.hash).chain(saved.beyond.iter().copied()))
+    }
+
     /// Rebuilds an empty worker from what [`KvIndex::save`] of this backend wrote. A block
     /// that cannot be placed (a parent not saved before it, a position past the maximum
     /// depth) is counted as unplaceable or too deep, never a panic.
@@ -389,18 +402,31 @@ pub trait KvIndex: Send + Sync + 'static {
 /// store makes the worker stale and asks for a snapshot, which would send the same blocks
 /// again, forever. Every backend keeps one per writer, with the same rules.
 #[derive(Default)]
-pub(crate) struct Beyond(std::collections::HashSet<u64, SeededState>);
+pub(crate) struct Beyond {
+    /// The hashes.
+    held: std::collections::HashSet<u64, SeededState>,
+    /// Their digest (part of the worker's: the publisher holds these blocks too).
+    digest: Digest,
+}
 
 impl Beyond {
     /// Whether `hash` is a block past the maximum depth.
     pub(crate) fn contains(&self, hash: BlockHash) -> bool {
-        !self.0.is_empty() && self.0.contains(&hash.0)
+        !self.held.is_empty() && self.held.contains(&hash.0)
     }
 
     /// Remembers `blocks` as too deep; returns how many that is.
     pub(crate) fn add(&mut self, blocks: &[StoredBlock]) -> u64 {
-        self.0.extend(blocks.iter().map(|b| b.block_hash.0));
+        self.extend_hashes(blocks.iter().map(|b| b.block_hash.0));
         blocks.len() as u64
+    }
+
+    fn extend_hashes(&mut self, hashes: impl Iterator<Item = u64>) {
+        for h in hashes {
+            if self.held.insert(h) {
+                self.digest.add(h);
+            }
+        }
     }
 
     /// What a store of `blocks` under `parent`, a block the worker does not hold, does: the
@@ -416,22 +442,31 @@ impl Beyond {
 
     /// Forgets `hash` (it was removed); whether it was there.
     pub(crate) fn forget(&mut self, hash: BlockHash) -> bool {
-        !self.0.is_empty() && self.0.remove(&hash.0)
+        let was = !self.held.is_empty() && self.held.remove(&hash.0);
+        if was {
+            self.digest.remove(hash.0);
+        }
+        was
     }
 
     /// Forgets everything (the worker was cleared).
     pub(crate) fn clear(&mut self) {
-        self.0 = Default::default();
+        *self = Beyond::default();
     }
 
     /// Every hash past the maximum depth, for a snapshot.
     pub(crate) fn to_vec(&self) -> Vec<u64> {
-        self.0.iter().copied().collect()
+        self.held.iter().copied().collect()
     }
 
     /// Remembers saved hashes as too deep.
     pub(crate) fn extend(&mut self, hashes: &[u64]) {
-        self.0.extend(hashes.iter().copied());
+        self.extend_hashes(hashes.iter().copied());
+    }
+
+    /// The digest of the hashes.
+    pub(crate) fn digest(&self) -> Digest {
+        self.digest
     }
 }
 

@@ -1383,6 +1383,11 @@ impl KvIndex for PositionalIndex {
         w.blocks.len() as u64
     }
 
+    /// Counted from the reverse map when asked (the run index keeps its own as it goes).
+    fn digest(&self, w: &PositionalWriter) -> crate::digest::Digest {
+        crate::digest::Digest::of(w.blocks.iter().map(|(h, _)| h)).join(w.beyond.digest())
+    }
+
     fn save(&self, w: &PositionalWriter) -> Saved {
         let parent = |r: &Rec| {
             if r.pos == 0 {

@@ -6,13 +6,17 @@
 //! read the `Model` directly; an embedder does the same and answers what the daemon answers.
 //!
 //! - this file: the model, its settings and each thread's writers (the writes);
-//! - [`answer`]: a lookup's answer, composed (the reads).
+//! - [`answer`]: a lookup's answer, composed (the reads);
+//! - [`restate`]: a snapshot of a worker held whole, applied as a difference.
 
 mod answer;
+mod restate;
 
 pub use answer::{Answer, Depths, Staleness};
+pub use restate::Restate;
 
 use crate::announced::{AnnounceOutcome, Announced};
+use crate::digest::Digest;
 use crate::event::{Event, Tier};
 use crate::groups::{GroupWriter, Groups, SavedGroups};
 use crate::hash::{LocalHash, WorkerId};
@@ -87,7 +91,14 @@ pub struct Model<I: KvIndex> {
     groups: Option<Groups<I>>,
     /// Routers' announcements; without them announcements are ignored.
     announcing: Option<Announcing<I>>,
+    /// The most engine hashes one restatement may name (a snapshot's blocks in every part):
+    /// bounds what a publisher's snapshot costs beyond the blocks it stores.
+    restate_max: usize,
 }
+
+/// Engine hashes a restatement may name by default: the index's default block bound, for
+/// the device tier and as much again for host, disk and groups.
+pub const RESTATE_MAX: usize = 2 << 23;
 
 /// One worker's write state in every part of the model.
 struct WorkerWriters<W> {
@@ -99,6 +110,8 @@ struct WorkerWriters<W> {
     groups: Option<GroupWriter<W>>,
     /// A routed-only worker's announced blocks (its device blocks are these, and only these).
     routed: Option<Announced>,
+    /// What an open restatement has named (see [`restate`]); `None` when none is open.
+    restating: Option<Box<restate::Named>>,
 }
 
 /// The write state of the workers one thread owns (in the daemon, an apply thread): every
@@ -177,7 +190,13 @@ impl<I: KvIndex> Model<I> {
     /// A model of `device` alone: other tiers' events are ignored, groups' blocks counted as
     /// missed, announcements ignored.
     pub fn new(device: I) -> Self {
-        Model { device, tiers: None, groups: None, announcing: None }
+        Model { device, tiers: None, groups: None, announcing: None, restate_max: RESTATE_MAX }
+    }
+
+    /// With restatements naming at most `max` engine hashes each (past it one is given up).
+    pub fn with_restate_max(mut self, max: usize) -> Self {
+        self.restate_max = max;
+        self
     }
 
     /// Every part, each index made by `make`, announcements kept as `cfg` says.
@@ -234,7 +253,13 @@ impl<I: KvIndex> Model<I> {
             Entry::Occupied(o) => Some(o.into_mut()),
             Entry::Vacant(v) => {
                 let device = self.device.writer(worker).ok()?;
-                Some(v.insert(WorkerWriters { device, tiers: TierWriters::default(), groups: None, routed: None }))
+                Some(v.insert(WorkerWriters {
+                    device,
+                    tiers: TierWriters::default(),
+                    groups: None,
+                    routed: None,
+                    restating: None,
+                }))
             }
         }
     }
@@ -242,6 +267,19 @@ impl<I: KvIndex> Model<I> {
     /// Applies a batch of `worker`'s events, in order, to every part. `Err` (its `refused`
     /// counting the events) when the worker cannot be given a slot: every one is taken.
     pub fn apply(&self, w: &mut Writers<I>, worker: WorkerId, events: &[Event]) -> Result<ApplyOutcome, ApplyOutcome> {
+        self.apply_restating(w, worker, events, Restate::default())
+    }
+
+    /// [`Model::apply`] for a batch that may open or end a restatement of `worker` (see
+    /// [`restate`]): a `cleared` ends an open one, as does naming more than its bound (given
+    /// up, counted in [`ApplyOutcome::restatements_given_up`]).
+    pub fn apply_restating(
+        &self,
+        w: &mut Writers<I>,
+        worker: WorkerId,
+        events: &[Event],
+        r: Restate,
+    ) -> Result<ApplyOutcome, ApplyOutcome> {
         let Some(ws) = self.writers_of(w, worker) else {
             return Err(ApplyOutcome { refused: events.len() as u64, ..ApplyOutcome::default() });
         };
@@ -250,29 +288,57 @@ impl<I: KvIndex> Model<I> {
                 ws.groups = Some(groups.writer(worker));
             }
         }
+        if r.opens {
+            ws.restating = Some(Box::new(restate::Named::new(self.restate_max)));
+        }
         let mut out = ApplyOutcome::default();
         for ev in events {
-            out.add(&ev.apply_to(&self.device, &mut ws.device));
-            match (&self.groups, ws.groups.as_mut()) {
-                (Some(groups), Some(gw)) => out.add(&groups.apply(gw, ev)),
-                _ if is_group_event(ev) => out.group_missed += ev.blocks() as u64,
-                _ => {}
-            }
-            if let Some(tiers) = &self.tiers {
-                let tier = match ev {
-                    Event::Cleared => tiers.clear(&mut ws.tiers),
-                    Event::Stored { tier: Tier::Device, .. }
-                    | Event::Removed { tier: Tier::Device, .. }
-                    | Event::GroupStored { .. }
-                    | Event::GroupRemoved { .. } => continue,
-                    _ => tiers.apply(worker, &mut ws.tiers, ev),
-                };
-                // Another tier's counts are its own: only refusals and orphans are told.
-                out.refused += tier.refused;
-                out.tier_unplaceable += tier.unplaceable;
+            out.add(&self.apply_event(worker, ws, ev));
+            if let Some(named) = ws.restating.as_mut() {
+                if *ev == Event::Cleared {
+                    ws.restating = None;
+                } else if named.note(ev).is_err() {
+                    ws.restating = None;
+                    out.restatements_given_up += 1;
+                }
             }
         }
+        match r.ends {
+            Some(true) => {
+                if let Some(named) = ws.restating.take() {
+                    for ev in named.removals(&self.save_writers(worker, ws)) {
+                        out.add(&self.apply_event(worker, ws, &ev));
+                    }
+                }
+            }
+            Some(false) => ws.restating = None,
+            None => {}
+        }
         Ok(out)
+    }
+
+    /// Applies one event of `worker` to every part.
+    fn apply_event(&self, worker: WorkerId, ws: &mut WorkerWriters<I::Writer>, ev: &Event) -> ApplyOutcome {
+        let mut out = ev.apply_to(&self.device, &mut ws.device);
+        match (&self.groups, ws.groups.as_mut()) {
+            (Some(groups), Some(gw)) => out.add(&groups.apply(gw, ev)),
+            _ if is_group_event(ev) => out.group_missed += ev.blocks() as u64,
+            _ => {}
+        }
+        if let Some(tiers) = &self.tiers {
+            let tier = match ev {
+                Event::Cleared => tiers.clear(&mut ws.tiers),
+                Event::Stored { tier: Tier::Device, .. }
+                | Event::Removed { tier: Tier::Device, .. }
+                | Event::GroupStored { .. }
+                | Event::GroupRemoved { .. } => return out,
+                _ => tiers.apply(worker, &mut ws.tiers, ev),
+            };
+            // Another tier's counts are its own: only refusals and orphans are told.
+            out.refused += tier.refused;
+            out.tier_unplaceable += tier.unplaceable;
+        }
+        out
     }
 
     /// Holds `locals` (a chain from position 0) as announced for `worker`: as its blocks if it
@@ -392,6 +458,12 @@ impl<I: KvIndex> Model<I> {
             tiers: self.tiers.as_ref().map(|t| t.save(&ws.tiers)).unwrap_or_default(),
             groups: self.groups.as_ref().zip(ws.groups.as_ref()).map(|(g, gw)| g.save(gw)),
         }
+    }
+
+    /// The digest of `worker`'s device blocks (`None` if these writers do not know it): what
+    /// its publisher's digest must equal while the two agree.
+    pub fn digest(&self, w: &Writers<I>, worker: WorkerId) -> Option<Digest> {
+        w.workers.get(&worker).map(|ws| self.device.digest(&ws.device))
     }
 
     /// `worker`, saved (`None` if these writers do not know it).

@@ -10,6 +10,7 @@
 //! which measured 79 bytes per placement here instead of 44. Keys are hashed with the process
 //! seed (publishers choose engine hashes).
 
+use crate::digest::Digest;
 use crate::index::linear::prefetch_lines;
 
 /// Control byte of a slot never used since the last rebuild.
@@ -117,11 +118,20 @@ pub(crate) struct BlockMap {
     room: usize,
     /// The process seed the hashes are keyed with.
     seed: u64,
+    /// The digest of the keys held: a key inserted anew adds to it, one removed takes away.
+    digest: Digest,
 }
 
 impl Default for BlockMap {
     fn default() -> Self {
-        BlockMap { ctrl: Box::default(), slots: Box::default(), len: 0, room: 0, seed: crate::seeded::process_seed() }
+        BlockMap {
+            ctrl: Box::default(),
+            slots: Box::default(),
+            len: 0,
+            room: 0,
+            seed: crate::seeded::process_seed(),
+            digest: Digest::default(),
+        }
     }
 }
 
@@ -130,6 +140,12 @@ impl BlockMap {
     #[inline]
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// The digest of the keys held.
+    #[inline]
+    pub(crate) fn digest(&self) -> Digest {
+        self.digest
     }
 
     #[inline]
@@ -274,6 +290,7 @@ impl BlockMap {
         self.set_ctrl(i, h2);
         self.slots[i] = Slot { key, val };
         self.len += 1;
+        self.digest.add(key);
         None
     }
 
@@ -297,6 +314,7 @@ impl BlockMap {
             self.room += 1;
         }
         self.len -= 1;
+        self.digest.remove(key);
         if self.len == 0 {
             *self = BlockMap { seed: self.seed, ..BlockMap::default() };
         } else if self.slots.len() > MIN_SLOTS && self.len * 16 < self.slots.len() {

@@ -576,6 +576,10 @@ impl KvIndex for RunIndex {
         w.held()
     }
 
+    fn digest(&self, w: &RunWriter) -> crate::digest::Digest {
+        w.digest()
+    }
+
     fn restore(&self, w: &mut RunWriter, saved: &Saved) -> super::ApplyOutcome {
         self.restore_worker(w, saved)
     }

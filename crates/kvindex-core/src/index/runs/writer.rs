@@ -131,6 +131,11 @@ impl RunWriter {
         self.blocks.len() as u64
     }
 
+    /// The digest of the engine hashes held, placed or past the depth limit.
+    pub(super) fn digest(&self) -> crate::digest::Digest {
+        self.blocks.digest().join(self.beyond.digest())
+    }
+
     /// One more engine hash holds `p` (it was held already).
     fn alias_add(&mut self, p: Place) {
         *self.aliases.upsert(p, 0).0 += 1;

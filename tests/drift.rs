@@ -1,0 +1,90 @@
+//! Digests: a publisher's digest of its device blocks, compared by kvindex with its own once a
+//! heartbeat. An event lost without a gap in the ids (only the digest can tell) is found,
+//! counted, and healed by the snapshot it asks for; engines that churn, evict and reset never
+//! set one off wrongly.
+
+mod support;
+
+use kvindex_client::core::hash::{BlockHash, LocalHash, StoredBlock};
+use kvindex_client::{LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
+use std::time::{Duration, Instant};
+use support::engine::{all_queries, first_difference, ModelEngine};
+use support::{eventually, Daemon, NatsServer};
+
+/// A publisher of worker `id` that sends at once and says its digest every 100 ms.
+async fn publisher(client: &async_nats::Client, id: u64) -> Publisher {
+    let cfg =
+        PublisherConfig { linger: Duration::ZERO, heartbeat: Duration::from_millis(100), ..PublisherConfig::new("t", id, 0) };
+    Publisher::start(client.clone(), cfg).await.unwrap()
+}
+
+fn whole(worker_id: u64, blocks: u32) -> MatchEntry {
+    MatchEntry { worker_id, dp_rank: 0, blocks, stale: false, tiers: Default::default(), ..Default::default() }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_lost_without_a_gap_is_found_by_the_digest_and_healed() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let p = publisher(&client, 3).await;
+    let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(2));
+    let chain: Vec<StoredBlock> = (0..3).map(|i| StoredBlock::new(30 + i, i + 1)).collect();
+    p.stored(None, &chain);
+    let query = Query::hashes(&[LocalHash(1), LocalHash(2), LocalHash(3), LocalHash(4)]);
+    let held = eventually(10, || async { lookups.lookup(&query).await.ok().filter(|a| a.matches == [whole(3, 3)]) }).await;
+    assert!(held.is_some(), "worker 3 holds three blocks");
+    let checked = eventually(10, || async { (d.metric("kvindex_digest_checks_total").await > 0.0).then_some(()) }).await;
+    assert!(checked.is_some(), "digests are compared while the two agree");
+
+    // The fourth block is stored, but its event never leaves: no id is skipped.
+    p.lose_next_event();
+    p.stored(Some(BlockHash(32)), &[StoredBlock::new(33, 4)]);
+    let lost = Instant::now();
+    let found = eventually(10, || async {
+        (d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}").await >= 1.0).then(|| lost.elapsed())
+    })
+    .await;
+    let healed = eventually(10, || async { lookups.lookup(&query).await.ok().filter(|a| a.matches == [whole(3, 4)]) }).await;
+    assert!(found.is_some(), "the digest differs");
+    assert!(healed.is_some(), "the snapshot it asked for brought the block in: {:?}", lookups.lookup(&query).await);
+    assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0, "the sequence never showed it");
+    assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
+    println!("found {:?} after the loss, healed at {:?}", found.unwrap(), lost.elapsed());
+    d.stop().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn churning_engines_never_set_a_digest_off() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let mut engines: Vec<(ModelEngine, Publisher)> = Vec::new();
+    for id in 1..=4u64 {
+        engines.push((ModelEngine::new(id, 7, 40), publisher(&client, id).await));
+    }
+    // Stores, evictions and now and then a reset, in bursts, for over a second of digests.
+    let started = Instant::now();
+    while started.elapsed() < Duration::from_millis(1500) {
+        for (e, p) in engines.iter_mut() {
+            for _ in 0..20 {
+                e.step(p);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let model: Vec<ModelEngine> = engines.iter().map(|(e, _)| e.clone()).collect();
+    let queries = all_queries(3);
+    let settled =
+        eventually(10, || async { first_difference(&client, "t.lookup", &model, &queries).await.is_none().then_some(()) }).await;
+    assert!(settled.is_some(), "{:?}", first_difference(&client, "t.lookup", &model, &queries).await);
+    let checks = eventually(10, || async {
+        let n = d.metric("kvindex_digest_checks_total").await;
+        (n >= 40.0).then_some(n)
+    })
+    .await;
+    assert!(checks.is_some(), "digests compared throughout");
+    assert_eq!(d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}").await, 0.0);
+    assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
+    d.stop().await.unwrap();
+}
