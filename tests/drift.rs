@@ -5,6 +5,7 @@
 
 mod support;
 
+use kvindex_client::core::digest::Digest;
 use kvindex_client::core::hash::{BlockHash, LocalHash, StoredBlock};
 use kvindex_client::{LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
 use std::time::{Duration, Instant};
@@ -51,6 +52,17 @@ async fn an_event_lost_without_a_gap_is_found_by_the_digest_and_healed() {
     assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0, "the sequence never showed it");
     assert_eq!(d.metric("kvindex_stale_workers").await, 0.0);
     println!("found {:?} after the loss, healed at {:?}", found.unwrap(), lost.elapsed());
+
+    // What an operator compares between two replicas: the worker's count and digest.
+    let addr = d.cfg.inspect_addr.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        let args = ["dump", "--addr", &addr, "--worker", "3", "--digest"];
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvindex")).args(args).output().expect("kvindex runs")
+    })
+    .await
+    .unwrap();
+    let want = Digest::of([30, 31, 32, 33]);
+    assert_eq!(String::from_utf8_lossy(&out.stdout), format!("worker 3 rank 0: 4 device blocks, digest {:016x}\n", want.sum));
     d.stop().await.unwrap();
 }
 

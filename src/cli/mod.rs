@@ -187,6 +187,10 @@ struct DumpArgs {
     /// Output file (`-` for stdout).
     #[arg(long, short, default_value = "-")]
     out: String,
+    /// Prints the worker's device block count and digest instead of its blocks, to compare
+    /// two replicas (or a replica and the publisher's log) at a glance.
+    #[arg(long)]
+    digest: bool,
 }
 
 /// Parses the command line and runs the command it names.
@@ -305,6 +309,22 @@ fn lookup_cmd(a: LookupArgs) -> Result<()> {
 
 fn dump_cmd(a: DumpArgs) -> Result<()> {
     let api = a.inspect.api();
+    if a.digest {
+        let all = block_on(api.workers())?;
+        let w = all
+            .iter()
+            .find(|w| w["worker_id"].as_u64() == Some(a.worker) && w["dp_rank"].as_u64() == Some(u64::from(a.dp_rank)))
+            .with_context(|| format!("this replica does not track worker {} rank {}", a.worker, a.dp_rank))?;
+        let d = &w["blocks"]["digest"];
+        println!(
+            "worker {} rank {}: {} device blocks, digest {:016x}",
+            a.worker,
+            a.dp_rank,
+            d[0].as_u64().unwrap_or(0),
+            d[1].as_u64().unwrap_or(0)
+        );
+        return Ok(());
+    }
     let n = if a.out == "-" {
         block_on(api.dump(a.worker, a.dp_rank, &mut std::io::BufWriter::new(std::io::stdout().lock())))?
     } else {

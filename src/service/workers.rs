@@ -50,14 +50,17 @@ struct Blocks {
     /// group holding it); 0 for other models.
     groups: u64,
     predicted: u64,
+    /// The digest of its device blocks, `[blocks, sum]` as publishers send it: two replicas
+    /// that hold the worker alike show the same.
+    digest: [u64; 2],
 }
 
 /// Why a worker is stale.
 #[derive(Serialize, Deserialize)]
 pub(super) struct Stale {
     /// `event_gap`, `midstream`, `snapshot_in_progress`, `unplaceable`, `over_limit`,
-    /// `snapshot_too_large`, `drift`, `slow_consumer`, `stale_in_snapshot` or `incomplete` (OPERATIONS.md, "Looking inside",
-    /// says what each means; TROUBLESHOOTING.md what to do).
+    /// `snapshot_too_large`, `drift`, `slow_consumer`, `stale_in_snapshot` or `incomplete`
+    /// (OPERATIONS.md, "Looking inside", says what each means; TROUBLESHOOTING.md what to do).
     pub(super) reason: std::borrow::Cow<'static, str>,
     /// Milliseconds since it went stale.
     since_ms: u64,
@@ -164,6 +167,7 @@ impl<I: KvIndex> LocalView<'_, I> {
                         disk: h.map_or(0, |h| h.disk),
                         groups: h.map_or(0, |h| h.grouped),
                         predicted: h.map_or(0, |h| h.predicted),
+                        digest: h.map_or([0, 0], |h| [h.digest.blocks, h.digest.sum]),
                     },
                     epoch,
                     next_event_id: next_id,

@@ -167,6 +167,8 @@ pub struct WorkerHeld {
     pub grouped: u64,
     /// Blocks routers announced for it that its events have not shown (predictions).
     pub predicted: u64,
+    /// The digest of its GPU blocks: two replicas holding the worker alike show the same.
+    pub digest: Digest,
     /// Batches waiting for its thread (the caller's to fill in: the model has no queue).
     pub queued: usize,
 }
@@ -485,7 +487,8 @@ impl<I: KvIndex> Model<I> {
             let (host, disk) = self.tiers.as_ref().map_or((0, 0), |t| t.held(&ws.tiers));
             let grouped = self.groups.as_ref().zip(ws.groups.as_ref()).map_or(0, |(g, gw)| g.held(gw));
             let predicted = w.predicted.get(&worker).map_or(0, |p| p.0.len() as u64);
-            f(WorkerHeld { worker, device: self.device.held(&ws.device), host, disk, grouped, predicted, queued: 0 });
+            let (device, digest) = (self.device.held(&ws.device), self.device.digest(&ws.device));
+            f(WorkerHeld { worker, device, host, disk, grouped, predicted, digest, queued: 0 });
         }
     }
 
