@@ -3,7 +3,7 @@
 events. docs/PROTOCOL.md is the contract.
 """
 
-from .hashing import block_seed, local_hashes, partition, worker_id_for_name
+from .hashing import block_seed, digest, local_hashes, partition, worker_id_for_name
 from .lookup import (
     Answer,
     Group,
@@ -18,6 +18,7 @@ from .lookup import (
 from .publisher import Publisher
 
 __all__ = [
+    "digest",
     "Answer",
     "Group",
     "KvindexError",

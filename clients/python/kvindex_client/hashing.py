@@ -2,13 +2,14 @@
 
 A block's local hash is XXH3-64 (seed 1337) of its token ids as little-endian u32. A LoRA
 adapter seeds every block, a cache salt only the first; a worker id may derive from a name;
-a sharded deployment places worker ``w`` on shard FNV-1a-32(decimal w) mod S.
+a sharded deployment places worker ``w`` on shard FNV-1a-32(decimal w) mod S; a digest of a
+set of block hashes is their count and the wrapping sum of each one mixed.
 """
 
 from __future__ import annotations
 
 import struct
-from typing import List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import xxhash
 
@@ -67,3 +68,22 @@ def partition(worker_id: int, shards: int) -> int:
     for byte in str(worker_id).encode():
         h = ((h ^ byte) * 0x01000193) & 0xFFFFFFFF
     return h % max(shards, 1)
+
+
+
+def digest_mix(h: int) -> int:
+    """One block hash mixed for a digest: splitmix64's finalizer, as kvindex mixes it."""
+    z = (h + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def digest(block_hashes: Iterable[int]) -> Tuple[int, int]:
+    """The digest of a set of block hashes (each once): ``(count, wrapping sum of their mixes)``,
+    what a batch's ``digest`` carries (docs/PROTOCOL.md, "Digests")."""
+    n, total = 0, 0
+    for h in block_hashes:
+        n += 1
+        total = (total + digest_mix(h)) & _MASK64
+    return n, total

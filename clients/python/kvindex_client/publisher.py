@@ -1,6 +1,7 @@
 """Publishing an engine's KV events to kvindex (docs/PROTOCOL.md, "EventBatch"), for Python
-engines and tests: each call one batch on ``{prefix}.events.{worker_id}``, heartbeats, and a
-snapshot of what the engine holds whenever kvindex asks (a resync).
+engines and tests: each call one batch on ``{prefix}.events.{worker_id}``, heartbeats with the
+digest of the device blocks held, and a snapshot of what the engine holds whenever kvindex
+asks (a resync).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import msgpack
 from nats.aio.client import Client as NATS
 
-from .hashing import partition, worker_id_for_name
+from .hashing import digest, partition, worker_id_for_name
 from .lookup import WorkerInfo
 
 TIERS = ("device", "host", "disk")
@@ -116,7 +117,7 @@ class Publisher:
             await asyncio.sleep(self.heartbeat)
             async with self._lock:
                 self._named = False  # say what the engine is once a heartbeat
-                await self._send([])
+                await self._send([], digest=list(digest(self.held["device"])))
 
     async def snapshot(self) -> None:
         """Sends everything held: ``cleared``, then each tier's chains parents first."""
@@ -137,10 +138,15 @@ class Publisher:
                     if len(later) == len(left):
                         break  # parents gone: those blocks are left out
                     left = later
+                # Forgotten too, so that the digest stays the digest of what kvindex holds.
+                self.held[tier] = {h: v for h, v in held.items() if h in sent}
             for i in range(0, len(datas), SNAPSHOT_CHUNK):
                 last = i + SNAPSHOT_CHUNK >= len(datas)
                 self._named = False
-                await self._send(datas[i : i + SNAPSHOT_CHUNK], snapshot=True, snapshot_end=last)
+                flags: Dict[str, Any] = {"snapshot": True, "snapshot_end": last}
+                if last:
+                    flags["digest"] = list(digest(self.held["device"]))
+                await self._send(datas[i : i + SNAPSHOT_CHUNK], **flags)
 
     async def _asked(self, msg: Any) -> None:
         try:

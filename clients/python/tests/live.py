@@ -13,7 +13,7 @@ import sys
 
 import nats
 
-from kvindex_client import LookupClient, NoKvindex, Publisher, WorkerInfo, local_hashes, partition, worker_id_for_name
+from kvindex_client import LookupClient, NoKvindex, Publisher, WorkerInfo, digest, local_hashes, partition, worker_id_for_name
 
 
 async def until(check, what, secs=20.0):
@@ -43,6 +43,7 @@ async def one_shard(nc, prefix):
     # Cross-checks with the Rust crates' values.
     assert worker_id_for_name("llama-0") == 3256072243310924, worker_id_for_name("llama-0")
     assert [partition(w, 3) for w in range(6)] == RUST_PARTITIONS, [partition(w, 3) for w in range(6)]
+    assert digest([1, 2, 3]) == (3, 0x456D78AF809B437C), digest([1, 2, 3])
 
     a = await Publisher(nc, prefix, info=WorkerInfo("py-a", url="http://10.0.0.1:8000", block_size=4), heartbeat=0.2).start()
     b = await Publisher(nc, prefix, worker_id=7, heartbeat=0.2).start()

@@ -70,4 +70,10 @@ mod tests {
         assert_ne!(Digest::of([1, 2]), Digest::of([1, 3]));
         assert_eq!(Digest::of([1]).join(Digest::of([2])), Digest::of([2, 1]));
     }
+
+    /// Pinned: publishers in other languages (the Python client's) compute the same.
+    #[test]
+    fn the_mix_is_splitmix64_s_finalizer() {
+        assert_eq!(Digest::of([1, 2, 3]), Digest { blocks: 3, sum: 0x456D_78AF_809B_437C });
+    }
 }
