@@ -227,6 +227,7 @@ async fn a_sibling_s_restarts_never_drop_a_worker_from_a_replica_s_answers() {
     assert_eq!(wrong.len(), 0, "answers that left out or flagged an engine, of {answered}: {wrong:?}");
     assert!(restated.is_some(), "A restated the snapshots of 21 broadcasts");
     assert!(answered >= 100, "lookups flowed throughout ({answered})");
+    println!("20 sibling restarts: {answered} answers, none left out or flagged an engine");
     assert_eq!(a.metric("kvindex_snapshots_total{result=\"complete\"}").await, 0.0, "A never rebuilt a worker");
     b.terminate();
     drop(publishers);
@@ -292,6 +293,7 @@ async fn a_thousand_workers_resyncing_never_leave_an_answer() {
     assert_eq!(wrong, 0, "answers that left out or flagged a worker, of {answered}");
     assert!(restated.is_some(), "every snapshot was restated");
     assert!(answered > 0);
+    println!("2,000 snapshots restated: {answered} answers, none left out or flagged a worker");
     assert_eq!(d.metric("kvindex_index_blocks").await, 4.0 * WORKERS as f64);
     d.stop().await.unwrap();
 }

@@ -167,10 +167,12 @@ mod tests {
 
     #[test]
     fn partition_is_fnv1a_of_the_decimal_id() {
-        // FNV-1a 32 of "7" is 0x0b0c3c42 (a known vector: offset basis, then one byte).
         let fnv = |s: &str| s.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
         assert_eq!(fnv(""), 0x811c_9dc5);
         assert_eq!(fnv("a"), 0xe40c_292c, "FNV-1a's published vector");
+        // FNV-1a 32 of "7": the offset basis xor 0x37, times the prime.
+        assert_eq!(fnv("7"), 0x320c_a3f6);
+        assert_eq!(partition(7, 0x320c_a3f6 + 1), 0x320c_a3f6);
         for w in [0u64, 7, 42, 1000, u64::MAX] {
             assert_eq!(partition(w, 3), fnv(&w.to_string()) % 3);
         }
@@ -200,12 +202,46 @@ mod tests {
         assert_eq!(all.iter().map(|g| (g.blocks, g.workers.len())).collect::<Vec<_>>(), vec![(9, 6), (4, 54)]);
         let (cut, _) = merge(&answers, shards, Some(10));
         assert_eq!(cut.iter().map(|g| (g.blocks, g.workers.len())).collect::<Vec<_>>(), vec![(9, 6), (4, 4)]);
+        // Which of the 54 workers tied at the cut are kept goes round: over 27 cuts of 4 each,
+        // every one of them twice, and never a worker twice in one answer.
+        let tied: std::collections::BTreeSet<u64> = all[1].workers.iter().map(|w| w.0).collect();
+        let mut kept = std::collections::BTreeMap::<u64, u32>::new();
+        for _ in 0..27 {
+            let (cut, _) = merge(&answers, shards, Some(10));
+            let at_4: std::collections::BTreeSet<u64> = cut[1].workers.iter().map(|w| w.0).collect();
+            assert_eq!(at_4.len(), 4, "four distinct workers");
+            for w in at_4 {
+                assert!(tied.contains(&w));
+                *kept.entry(w).or_default() += 1;
+            }
+        }
+        assert!(kept.len() == 54 && kept.values().all(|&n| n == 2), "each tied worker kept twice: {kept:?}");
         // A worker answered by a shard that does not own it (it moved away) is not believed.
         let mut stray = answers.clone();
         let elsewhere = owned(1).next().unwrap_or(0);
         stray[0].groups[0].workers.push(pair(elsewhere));
         let (all, _) = merge(&stray, shards, None);
         assert_eq!(all.iter().filter(|g| g.blocks == 9).map(|g| g.workers.len()).sum::<usize>(), 6);
+
+        // Stale workers stay apart from whole ones at the same depth, and a stale worker that
+        // matches nothing is believed only from the shard that owns it.
+        let (a, b) = (owned(0).next().unwrap_or(0), owned(1).next().unwrap_or(0));
+        let flagged = vec![
+            ShardAnswer {
+                shard: 0,
+                groups: vec![MatchGroup { blocks: 9, stale: true, workers: vec![pair(a)], ..Default::default() }],
+                stale_workers: vec![WorkerRef { worker_id: b, dp_rank: 0 }],
+            },
+            ShardAnswer {
+                shard: 1,
+                groups: vec![MatchGroup { blocks: 9, workers: vec![pair(b)], ..Default::default() }],
+                stale_workers: vec![WorkerRef { worker_id: b, dp_rank: 0 }],
+            },
+        ];
+        let (groups, stale) = merge(&flagged, shards, None);
+        let seen: Vec<(u32, bool, Vec<u64>)> = groups.iter().map(|g| (g.blocks, g.stale, g.workers.iter().map(|w| w.0).collect())).collect();
+        assert_eq!(seen, vec![(9, false, vec![b]), (9, true, vec![a])]);
+        assert_eq!(stale, vec![WorkerRef { worker_id: b, dp_rank: 0 }], "from shard 1 alone");
     }
 
     #[test]
@@ -231,5 +267,8 @@ mod tests {
         let (_, kept) = one_count(vec![at(2, 1, 12), at(2, 1, 14)]).expect("answers");
         assert_eq!(workers(&kept), vec![12], "one answer per shard, the first");
         assert!(one_count::<ShardAnswer>(vec![]).is_none());
+        // As complete (a half each): the larger count wins.
+        let (count, kept) = one_count(vec![at(2, 0, 10), at(4, 0, 20), at(4, 3, 23)]).expect("answers");
+        assert_eq!((count, workers(&kept)), (4, vec![20, 23]), "two of four beat one of two on a tie");
     }
 }

@@ -7,11 +7,12 @@
 //!
 //! 1. **A freed slot read as its next owner**: X holds a 2,048-block chain for good; A stores
 //!    the same chain and leaves, B joins (into A's freed slot) and leaves, again and again. B
-//!    never holds a block, so no answer may name it, even through a filter naming B alone.
+//!    never holds a block, so no answer may name it, even through a filter naming B alone; and
+//!    every answer names X.
 //! 2. **Two runs read at different instants**: X holds `b0..b2047, x`; W holds `b0..b2048`, its
 //!    last block in a child run, and cycles "remove b2; store 8 blocks under b2048 (hidden by
 //!    the hole); remove them; store b2 again", so its depth for `b0..b2048` and the 8 is 2 or
-//!    2,049, never more.
+//!    2,049, never more; both are in every answer.
 
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::index::{KvIndex, MatchOptions};
@@ -84,10 +85,12 @@ fn a_worker_that_takes_a_freed_slot_is_never_answered_for_its_predecessor() {
                 }
             },
             || {
-                for m in index.find_matches(&query, &MatchOptions::default()) {
+                let answer = index.find_matches(&query, &MatchOptions::default());
+                for m in &answer {
                     assert_ne!(m.worker, b, "B never held a block, yet was answered at {}", m.blocks);
                     assert_eq!(m.blocks, CHAIN as u32, "{:?} answered at a depth it never held", m.worker);
                 }
+                assert!(answer.iter().any(|m| m.worker == x), "X holds the chain throughout, yet was left out: {answer:?}");
                 assert_eq!(index.find_matches(&query, &only_b), vec![], "a filter naming B alone answered it");
             },
         );
@@ -121,7 +124,11 @@ fn a_worker_is_answered_at_a_depth_it_held_across_runs_read_at_different_instant
                 }
             },
             || {
-                for m in index.find_matches(&query, &MatchOptions::default()) {
+                let answer = index.find_matches(&query, &MatchOptions::default());
+                let mut named: Vec<WorkerId> = answer.iter().map(|m| m.worker).collect();
+                named.sort_unstable();
+                assert_eq!(named, [x, w], "both hold b0 and b1 throughout, yet one was left out");
+                for m in answer {
                     if m.worker == x {
                         assert_eq!(m.blocks, CHAIN as u32, "X holds b0..b2047 throughout");
                     } else {

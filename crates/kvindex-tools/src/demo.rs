@@ -35,6 +35,8 @@ pub struct DemoReport {
     pub fleets: Vec<FleetReport>,
     pub lookups: u64,
     pub lookup_errors: u64,
+    /// Lookups answered without every shard (`missing_shards`): routed on part of the fleet.
+    pub partial_answers: u64,
     pub lookup_rtt_p50_us: f64,
     pub lookup_rtt_p99_us: f64,
     /// The HTTP fleet's queries that got no answer.
@@ -193,6 +195,8 @@ struct Routing {
     rtt: Histogram<u64>,
     /// Lookups that failed.
     lookup_errors: u64,
+    /// Lookups answered without every shard.
+    partial_answers: u64,
 }
 
 impl Routing {
@@ -222,6 +226,7 @@ impl Routing {
             },
             rtt: Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?,
             lookup_errors: 0,
+            partial_answers: 0,
         })
     }
 
@@ -231,6 +236,7 @@ impl Routing {
         match self.router.lookup(&Query::hashes(hashes).only_workers(&self.event_fed)).await {
             Ok(answer) => {
                 let _ = self.rtt.record(t.elapsed().as_nanos() as u64);
+                self.partial_answers += u64::from(answer.is_partial());
                 answer
                     .matches
                     .iter()
@@ -387,6 +393,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         fleets: routing.fleets.iter().map(Fleet::report).collect(),
         lookups: rtt.len(),
         lookup_errors: routing.lookup_errors,
+        partial_answers: routing.partial_answers,
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
         query_api_errors: routing.http.as_ref().map_or(0, |h| h.errors),

@@ -47,6 +47,7 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
     println!("hit rates: kv-aware {kv:.3}, oracle {oracle:.3}, round-robin {rr:.3}, random {random:.3}");
     assert_eq!(report.requests, 2000);
     assert_eq!(report.lookups, 2000, "every request was routed with kvindex's answer ({} failed)", report.lookup_errors);
+    assert_eq!(report.partial_answers, 0);
     assert!(kv > rr * 2.0 && kv > random * 2.0, "kv-aware {kv} does not beat round-robin {rr} and random {random}");
     // Exact answers route as well as reading the caches, but for the events still in flight.
     assert!(kv >= oracle * 0.9, "kv-aware {kv} falls short of the oracle {oracle}");
@@ -84,6 +85,7 @@ async fn three_shards_route_as_well_as_one_index() {
     let (kv, oracle, rr) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin));
     println!("three shards: kv-aware {kv:.3}, oracle {oracle:.3}, round-robin {rr:.3}");
     assert_eq!(report.lookups, 2000, "every request was routed with the merged answer ({} failed)", report.lookup_errors);
+    assert_eq!(report.partial_answers, 0, "every answer had every shard's part");
     assert!(kv >= oracle * 0.9, "kv-aware on three shards {kv} falls short of the oracle {oracle}");
     assert!(kv > rr * 2.0, "kv-aware on three shards {kv} does not beat round-robin {rr}");
     assert!(rate(Policy::Approximate) > rr * 2.0, "approximate mode works across shards too");
