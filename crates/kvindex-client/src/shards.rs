@@ -239,7 +239,8 @@ mod tests {
             },
         ];
         let (groups, stale) = merge(&flagged, shards, None);
-        let seen: Vec<(u32, bool, Vec<u64>)> = groups.iter().map(|g| (g.blocks, g.stale, g.workers.iter().map(|w| w.0).collect())).collect();
+        let seen: Vec<(u32, bool, Vec<u64>)> =
+            groups.iter().map(|g| (g.blocks, g.stale, g.workers.iter().map(|w| w.0).collect())).collect();
         assert_eq!(seen, vec![(9, false, vec![b]), (9, true, vec![a])]);
         assert_eq!(stale, vec![WorkerRef { worker_id: b, dp_rank: 0 }], "from shard 1 alone");
     }
