@@ -124,8 +124,19 @@ fn whole(worker_id: u64, blocks: u32) -> MatchEntry {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_snapshot_restating_a_whole_worker_changes_no_answer() {
     let nats = NatsServer::start();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let d = Daemon::start(&nats.url(), |_| {}).await;
+    restating_changes_no_answer(&nats.url(), kvindex::config::Ingest::Core).await;
+}
+
+/// The same in durable mode: the snapshot comes through the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_restating_a_whole_worker_changes_no_answer_in_durable_mode() {
+    let js = support::JetStreamNats::start();
+    restating_changes_no_answer(&js.nats.url(), kvindex::config::Ingest::Jetstream).await;
+}
+
+async fn restating_changes_no_answer(url: &str, ingest: kvindex::config::Ingest) {
+    let client = async_nats::connect(url).await.unwrap();
+    let d = Daemon::start(url, |cfg| cfg.ingest = ingest).await;
     let lookups = LookupClient::new(client.clone(), "t").with_timeout(Duration::from_secs(2));
     let query = Query::hashes(&CHAIN.map(|(_, l)| LocalHash(l)));
     send(&client, 1, None, vec![KvEvent::stored(0, None, &CHAIN)]).await;
