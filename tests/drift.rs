@@ -19,6 +19,18 @@ async fn publisher(client: &async_nats::Client, id: u64) -> Publisher {
     Publisher::start(client.clone(), cfg).await.unwrap()
 }
 
+/// A publisher that batches: small messages that fill up while it lingers, so that a batch is
+/// often sent as the next event is pushed (its digest must not count that event's blocks).
+async fn batching_publisher(client: &async_nats::Client, id: u64) -> Publisher {
+    let cfg = PublisherConfig {
+        linger: Duration::from_millis(5),
+        max_batch_bytes: 512,
+        heartbeat: Duration::from_millis(100),
+        ..PublisherConfig::new("t", id, 0)
+    };
+    Publisher::start(client.clone(), cfg).await.unwrap()
+}
+
 fn whole(worker_id: u64, blocks: u32) -> MatchEntry {
     MatchEntry { worker_id, dp_rank: 0, blocks, stale: false, tiers: Default::default(), ..Default::default() }
 }
@@ -73,9 +85,11 @@ async fn churning_engines_never_set_a_digest_off() {
     let d = Daemon::start(&nats.url(), |_| {}).await;
     let mut engines: Vec<(ModelEngine, Publisher)> = Vec::new();
     for id in 1..=4u64 {
-        engines.push((ModelEngine::new(id, 7, 40), publisher(&client, id).await));
+        let p = if id % 2 == 0 { batching_publisher(&client, id).await } else { publisher(&client, id).await };
+        engines.push((ModelEngine::new(id, 7, 40), p));
     }
-    // Stores, evictions and now and then a reset, in bursts, for over a second of digests.
+    // Stores, evictions and now and then a reset, in bursts, for over a second of digests; two
+    // publishers send each event at once, two batch them.
     let started = Instant::now();
     while started.elapsed() < Duration::from_millis(1500) {
         for (e, p) in engines.iter_mut() {

@@ -282,18 +282,19 @@ impl Publisher {
     pub fn stored_in(&self, tier: Tier, parent: Option<BlockHash>, blocks: &[StoredBlock]) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
-        let mut prev = parent;
-        for b in blocks {
-            let new =
-                inner.blocks[tier as usize].insert(b.block_hash, Block { parent: prev, tokens_hash: b.tokens_hash }).is_none();
-            if new && tier == Tier::Device {
-                inner.digest.add(b.block_hash.0);
-            }
-            prev = Some(b.block_hash);
-        }
         let mut parent = parent;
         for piece in blocks.chunks(s.max_event_blocks) {
-            s.push(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), |out, id| write_stored(out, id, parent, piece, tier));
+            let write = |out: &mut Vec<u8>, id| write_stored(out, id, parent, piece, tier);
+            s.push_noting(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), write, |inner| {
+                let mut prev = parent;
+                for b in piece {
+                    let held = Block { parent: prev, tokens_hash: b.tokens_hash };
+                    if inner.blocks[tier as usize].insert(b.block_hash, held).is_none() && tier == Tier::Device {
+                        inner.digest.add(b.block_hash.0);
+                    }
+                    prev = Some(b.block_hash);
+                }
+            });
             parent = piece.last().map(|b| b.block_hash);
         }
     }
@@ -307,13 +308,15 @@ impl Publisher {
     pub fn removed_in(&self, tier: Tier, hashes: &[BlockHash]) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
-        for h in hashes {
-            if inner.blocks[tier as usize].remove(h).is_some() && tier == Tier::Device {
-                inner.digest.remove(h.0);
-            }
-        }
         for piece in hashes.chunks(s.max_event_hashes) {
-            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_removed(out, id, piece, tier));
+            let write = |out: &mut Vec<u8>, id| write_removed(out, id, piece, tier);
+            s.push_noting(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), write, |inner| {
+                for h in piece {
+                    if inner.blocks[tier as usize].remove(h).is_some() && tier == Tier::Device {
+                        inner.digest.remove(h.0);
+                    }
+                }
+            });
         }
     }
 
@@ -358,14 +361,15 @@ impl Publisher {
     pub fn cleared(&self) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
-        for tier in inner.blocks.iter_mut() {
-            tier.clear();
-        }
-        inner.digest = Digest::default();
-        for (_, held) in inner.groups.values_mut() {
-            held.clear();
-        }
-        s.push(&mut inner, REMOVED_OVERHEAD, write_cleared);
+        s.push_noting(&mut inner, REMOVED_OVERHEAD, write_cleared, |inner| {
+            for tier in inner.blocks.iter_mut() {
+                tier.clear();
+            }
+            inner.digest = Digest::default();
+            for (_, held) in inner.groups.values_mut() {
+                held.clear();
+            }
+        });
     }
 
     /// Says whether this publisher's block set misses blocks its engine holds (a bridge that
@@ -464,8 +468,16 @@ impl Shared {
     /// Appends one event (at most `size` bytes, written by `write` under the next event id),
     /// sending the batch first if the event would not fit and afterwards if it is full.
     fn push(&self, inner: &mut Inner, size: usize, write: impl FnOnce(&mut Vec<u8>, u64)) {
+        self.push_noting(inner, size, write, |_| {});
+    }
+
+    /// [`Shared::push`], with `note` changing the block set (and its digest) as the event is
+    /// numbered: a batch sent before it never counts its blocks, one sent after always does,
+    /// so that a batch's digest is of the events before its `next_event_id`.
+    fn push_noting(&self, inner: &mut Inner, size: usize, write: impl FnOnce(&mut Vec<u8>, u64), note: impl FnOnce(&mut Inner)) {
         #[cfg(feature = "fault-injection")]
         if std::mem::take(&mut inner.lose_next) {
+            note(inner);
             return;
         }
         if inner.pending_events > 0 && inner.pending.len() + size + HEADER_BYTES > self.max_message {
@@ -474,6 +486,7 @@ impl Shared {
         let id = inner.next_id;
         inner.next_id += 1;
         write(&mut inner.pending, id);
+        note(inner);
         inner.pending_events += 1;
         self.counters.events.fetch_add(1, Ordering::Relaxed);
         if inner.pending_events as usize >= self.cfg.max_batch_events
