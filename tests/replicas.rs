@@ -109,9 +109,7 @@ async fn send(client: &async_nats::Client, id: u64, snapshot: Option<bool>, even
         snapshot_end: snapshot == Some(true),
         ..BatchHeader::default()
     };
-    let batch = EventBatch { header, worker: None, events: events.into_iter().map(Ok).collect() };
-    client.publish(format!("t.events.{id}"), encode_batch(&batch).into()).await.unwrap();
-    client.flush().await.unwrap();
+    support::publish_with(client, header, events).await;
 }
 
 fn whole(worker_id: u64, blocks: u32) -> MatchEntry {

@@ -114,11 +114,20 @@ where
 }
 /// Publishes `events` as one batch of `worker` (epoch 1) on prefix `t`, and flushes.
 pub async fn publish(c: &async_nats::Client, worker: u64, events: Vec<kvindex_client::protocol::KvEvent>) {
-    use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch};
     let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
-    let header = BatchHeader { worker_id: worker, epoch: 1, ts_ns, ..BatchHeader::default() };
+    let header = kvindex_client::protocol::BatchHeader { worker_id: worker, epoch: 1, ts_ns, ..Default::default() };
+    publish_with(c, header, events).await;
+}
+
+/// Publishes `events` under `header` on its worker's subject of prefix `t`, and flushes.
+pub async fn publish_with(
+    c: &async_nats::Client,
+    header: kvindex_client::protocol::BatchHeader,
+    events: Vec<kvindex_client::protocol::KvEvent>,
+) {
+    use kvindex_client::protocol::{encode_batch, EventBatch};
     let b = EventBatch { header, worker: None, events: events.into_iter().map(Ok).collect() };
-    c.publish(format!("t.events.{worker}"), encode_batch(&b).into()).await.expect("published");
+    c.publish(format!("t.events.{}", header.worker_id), encode_batch(&b).into()).await.expect("published");
     c.flush().await.expect("flushed");
 }
 
