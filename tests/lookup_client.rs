@@ -65,7 +65,9 @@ async fn ranked_answers_by_tokens_and_hashes() {
     };
     assert_eq!(ask(Query::hashes(&hashes)).await, vec![m(2, 1, 6), m(1, 0, 3)]);
     assert_eq!(ask(Query::hashes(&hashes).only_workers(&[1])).await, vec![m(1, 0, 3)]);
-    assert_eq!(ask(Query::hashes(&hashes).max_blocks(2)).await, vec![m(1, 0, 2), m(2, 1, 2)]);
+    let mut capped = ask(Query::hashes(&hashes).max_blocks(2)).await;
+    capped.sort_by_key(|e| e.worker_id);
+    assert_eq!(capped, vec![m(1, 0, 2), m(2, 1, 2)], "both are tied at the cap; ties come in no set order");
     assert_eq!(ask(Query::hashes(&hashes).max_matches(1)).await, vec![m(2, 1, 6)], "the deepest is kept");
 
     let refused = lookups.lookup(&Query::tokens(&tokens, 0)).await;
