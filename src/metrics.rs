@@ -68,6 +68,8 @@ pub struct Metrics {
     pub durable: DurableMetrics,
     /// The NATS connection.
     pub nats: NatsMetrics,
+    /// Replicas comparing their workers' digests.
+    pub replicas: ReplicaMetrics,
     /// Children of the vectors above that the hot paths (ingest, apply, lookup) update,
     /// resolved once instead of by label on every event.
     pub hot: HotMetrics,
@@ -140,7 +142,7 @@ impl IngestMetrics {
             digest_mismatches: counter_vec(
                 r,
                 "kvindex_digest_mismatch_total",
-                "Digests that differed from this index's (source: publisher): the worker is flagged stale (drift) and resynced.",
+                "Digests that differed from this index's (source: publisher, or a sibling replica at the same event id): the worker is flagged stale (drift) and resynced.",
                 &["source"],
             ),
             epochs_changed: counter(
@@ -436,6 +438,34 @@ impl DurableMetrics {
     }
 }
 
+/// Replicas comparing their workers' digests (`service::replicas`).
+pub struct ReplicaMetrics {
+    /// `kvindex_replica_checkpoints_sent_total`.
+    pub sent: IntCounter,
+    /// `kvindex_replica_checkpoints_compared_total`.
+    pub compared: IntCounter,
+    /// `kvindex_replica_siblings`.
+    pub siblings: IntGauge,
+}
+
+impl ReplicaMetrics {
+    fn new(r: &Registry) -> Self {
+        ReplicaMetrics {
+            sent: counter(
+                r,
+                "kvindex_replica_checkpoints_sent_total",
+                "Checkpoints (a worker's digest at an event id) this replica sent its siblings on {prefix}.replicas.",
+            ),
+            compared: counter(
+                r,
+                "kvindex_replica_checkpoints_compared_total",
+                "Checkpoints of a sibling compared with this replica's at the same event id (differences: kvindex_digest_mismatch_total{source=\"replica\"}).",
+            ),
+            siblings: gauge(r, "kvindex_replica_siblings", "Sibling replicas of this prefix and shard heard comparing checkpoints lately."),
+        }
+    }
+}
+
 /// The NATS connection.
 pub struct NatsMetrics {
     /// `kvindex_nats_connected`.
@@ -515,6 +545,7 @@ impl Metrics {
             index: IndexMetrics::new(&r),
             durable: DurableMetrics::new(&r),
             nats: NatsMetrics::new(&r),
+            replicas: ReplicaMetrics::new(&r),
             registry: r,
         }
         .with_known_series()
@@ -529,6 +560,7 @@ impl Metrics {
             "old_epoch",
             "other_shard",
             "bad_worker_info",
+            "bad_replica_digests",
         ]);
         for reason in reasons {
             self.ingest.decode_failures.with_label_values(&[reason]);
@@ -539,7 +571,9 @@ impl Metrics {
         for scope in ["worker", "all"] {
             self.workers.resync_requests.with_label_values(&[scope]);
         }
-        self.ingest.digest_mismatches.with_label_values(&["publisher"]);
+        for source in ["publisher", "replica"] {
+            self.ingest.digest_mismatches.with_label_values(&[source]);
+        }
         for result in ["begun", "complete", "restated", "gap"] {
             self.ingest.snapshots.with_label_values(&[result]);
         }

@@ -47,7 +47,10 @@ async fn each_party_can_do_its_job_and_nothing_else() {
     let conf = concat!(env!("CARGO_MANIFEST_DIR"), "/config/nats/least-privilege.conf");
     let nats = NatsProcess::start_with(support::free_port(), &["-c", conf], &SECRETS).expect("nats-server takes the config");
     let url = nats.url();
-    let d = kvindex_role(&url, |_| {}).await;
+    let d = kvindex_role(&url, |cfg| cfg.replica_check_interval = 1).await;
+    let kvindex_peer = connect(&url, "kvindex", "k-secret").await;
+    let mut replicas = kvindex_peer.subscribe("kv.replicas").await.unwrap();
+    kvindex_peer.flush().await.unwrap();
 
     // Engine 1 publishes through the publisher library: its own subject, its own resyncs.
     let engine1 = connect(&url, "engine-1", "e1-secret").await;
@@ -105,6 +108,13 @@ async fn each_party_can_do_its_job_and_nothing_else() {
     lookups.announce_applied(&sent, 1, 0).await.expect("the router announces");
     let predicted = lookups.lookup(&sent).await.unwrap().matches;
     assert_eq!(predicted, vec![MatchEntry { worker_id: 1, blocks: 2, predicted_blocks: Some(3), ..Default::default() }]);
+
+    // Replicas compare on kv.replicas under their role; nobody else writes there.
+    router.publish("kv.replicas", "forged".into()).await.unwrap();
+    engine1.publish("kv.replicas", "forged".into()).await.unwrap();
+    let sent = tokio::time::timeout(Duration::from_secs(10), replicas.next()).await.ok().flatten();
+    assert!(sent.is_some_and(|m| m.payload.as_ref() != b"forged"), "kvindex sends its checkpoints, and only kvindex");
+    assert_eq!(d.metric("kvindex_decode_failures_total{reason=\"bad_replica_digests\"}").await, 0.0, "no forgery reached it");
     d.stop().await.unwrap();
 }
 

@@ -7,6 +7,7 @@ mod support;
 use futures::StreamExt;
 use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent, ResyncAck};
 use kvindex_client::{LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
+use kvindex_core::digest::Digest;
 use kvindex_core::{Event, LocalHash, StoredBlock};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -238,6 +239,7 @@ async fn a_sibling_s_restarts_never_drop_a_worker_from_a_replica_s_answers() {
     assert!(answered >= 100, "lookups flowed throughout ({answered})");
     println!("20 sibling restarts: {answered} answers, none left out or flagged an engine");
     assert_eq!(a.metric("kvindex_snapshots_total{result=\"complete\"}").await, 0.0, "A never rebuilt a worker");
+    assert_eq!(a.metric("kvindex_digest_mismatch_total{source=\"replica\"}").await, 0.0, "A never saw B differ");
     b.terminate();
     drop(publishers);
     a.stop().await.unwrap();
@@ -305,4 +307,100 @@ async fn a_thousand_workers_resyncing_never_leave_an_answer() {
     println!("2,000 snapshots restated: {answered} answers, none left out or flagged a worker");
     assert_eq!(d.metric("kvindex_index_blocks").await, 4.0 * WORKERS as f64);
     d.stop().await.unwrap();
+}
+
+/// Worker 1's publisher without digests (so only the replicas' comparison can find a drift):
+/// it stores `CHAIN`, heartbeats every 200 ms, and answers each resync request with a
+/// snapshot of `CHAIN`; one task numbers and sends everything, so its ids never go back.
+fn heartbeating_publisher(client: async_nats::Client) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut asks =
+            futures::stream::select(client.subscribe("t.resync").await.unwrap(), client.subscribe("t.resync.1").await.unwrap());
+        client.flush().await.unwrap();
+        let now = || std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64;
+        let header = |next: u64, snapshot: bool| BatchHeader {
+            worker_id: 1,
+            epoch: 1,
+            next_event_id: Some(next),
+            ts_ns: now(),
+            snapshot,
+            snapshot_end: snapshot,
+            ..BatchHeader::default()
+        };
+        support::publish_with(&client, header(1, false), vec![KvEvent::stored(0, None, &CHAIN)]).await;
+        let mut next = 1;
+        let mut beat = tokio::time::interval(Duration::from_millis(200));
+        loop {
+            tokio::select! {
+                _ = beat.tick() => support::publish_with(&client, header(next, false), vec![]).await,
+                ask = asks.next() => {
+                    let Some(ask) = ask else { return };
+                    if let Some(reply) = ask.reply {
+                        let ack = ResyncAck { worker_id: 1, dp_rank: 0, epoch: 1, blocks: 3 };
+                        let _ = client.publish(reply, ack.encode().into()).await;
+                    }
+                    let events = vec![KvEvent { event_id: next, data: Event::Cleared }, KvEvent::stored(next + 1, None, &CHAIN)];
+                    next += 2;
+                    support::publish_with(&client, header(next, true), events).await;
+                }
+            }
+        }
+    })
+}
+
+/// `kvindex dump --digest` of worker 1 on the replica whose inspection API is at `addr`.
+async fn dump_digest(addr: &str) -> String {
+    let addr = addr.to_string();
+    let out = tokio::task::spawn_blocking(move || {
+        let args = ["dump", "--addr", &addr, "--worker", "1", "--digest"];
+        std::process::Command::new(env!("CARGO_BIN_EXE_kvindex")).args(args).output().expect("kvindex runs")
+    })
+    .await
+    .unwrap();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Two replicas made to diverge (one loses a block silently on applying it, a fault built into
+/// the test build; the publisher sends no digest, its sequence has no gap) find it by comparing
+/// their checkpoints, both resync the worker, and converge on the engine's state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_made_to_diverge_find_it_and_converge() {
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let a = Daemon::start(&nats.url(), |cfg| cfg.replica_check_interval = 1).await;
+    let lose = CHAIN[2].0.to_string();
+    let mut b = DaemonProcess::start(&nats.url(), &[], &[("REPLICA_CHECK_INTERVAL", "1"), ("FAULT_LOSE_BLOCK", &lose)]);
+    b.wait_ready(30).await;
+    let _engine = heartbeating_publisher(client.clone());
+
+    let drifted = || async {
+        a.metric("kvindex_digest_mismatch_total{source=\"replica\"}").await
+            + b.metric("kvindex_digest_mismatch_total{source=\"replica\"}").await
+    };
+    let found = eventually(20, || async { (drifted().await >= 1.0).then_some(()) }).await;
+    assert!(found.is_some(), "the replicas' checkpoints differ: {}", b.log_text());
+    let want = format!("worker 1 rank 0: 3 device blocks, digest {:016x}\n", Digest::of(CHAIN.map(|(h, _)| h)).sum);
+    let (ia, ib) = (a.cfg.inspect_addr.clone(), b.inspect_addr.clone());
+    let converged = eventually(20, || async {
+        let (da, db) = (dump_digest(&ia).await, dump_digest(&ib).await);
+        (da == want && db == want).then_some(())
+    })
+    .await;
+    assert!(converged.is_some(), "both hold the chain: {:?} / {:?}", dump_digest(&ia).await, dump_digest(&ib).await);
+    // Each replica asked: the publisher answers each, and the second snapshot may restate.
+    assert!(b.metric("kvindex_snapshots_total{result=\"complete\"}").await >= 1.0, "B rebuilt the worker from a snapshot");
+
+    // Once whole, they compare alike: more checkpoints, no new difference.
+    let compared = || async { a.metric("kvindex_replica_checkpoints_compared_total").await };
+    let after = |n: f64| eventually(20, move || async move { (compared().await >= n).then_some(()) });
+    let c0 = compared().await;
+    assert!(after(c0 + 3.0).await.is_some(), "A keeps comparing");
+    let settled = drifted().await;
+    let c1 = compared().await;
+    assert!(after(c1 + 3.0).await.is_some(), "A keeps comparing");
+    assert_eq!(drifted().await, settled, "agreeing replicas see no drift");
+    assert_eq!(a.metric("kvindex_replica_siblings").await, 1.0);
+    assert_eq!(a.metric("kvindex_stale_workers").await + b.metric("kvindex_stale_workers").await, 0.0);
+    b.terminate();
+    a.stop().await.unwrap();
 }

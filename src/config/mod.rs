@@ -131,6 +131,10 @@ pub struct Config {
     pub resync_interval: u64,
     /// The longest wait, in seconds, between two resync requests to one stale worker.
     pub resync_max_interval: u64,
+    /// Seconds of publisher time between two checkpoints of a worker that replicas of this
+    /// prefix (and shard) compare on `{prefix}.replicas`: a difference is drift, resynced (0:
+    /// replicas do not compare).
+    pub replica_check_interval: u64,
     /// After a broadcast resync (start, NATS reconnect), `/readyz` waits for the publishers'
     /// snapshots until none has been open or begun for this many milliseconds...
     pub ready_settle_ms: u64,
@@ -186,6 +190,7 @@ impl Default for Config {
             max_blocks_per_worker: kvindex_core::index::runs::MAX_BLOCKS_PER_WORKER,
             resync_interval: 1,
             resync_max_interval: 30,
+            replica_check_interval: 10,
             ready_settle_ms: 500,
             ready_timeout: 10,
             shutdown_grace: 10,

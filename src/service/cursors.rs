@@ -29,12 +29,15 @@ pub(super) struct Cursor {
     /// A snapshot of it, held whole when it opened, is being applied as a difference (a
     /// restatement) until the snapshot ends.
     pub(super) restating: bool,
+    /// The interval of publisher time its last batch fell in ([`super::replicas`]): a batch in
+    /// a new one is checkpointed.
+    pub(super) bucket: u64,
 }
 
 impl Cursor {
     /// A cursor at the start of `epoch`: nothing known of its sequence.
     pub(super) fn start(epoch: u64, now: Instant) -> Cursor {
-        Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false, incomplete: false, restating: false }
+        Cursor { epoch, next_id: None, last_seen: now, snapshot_clean: false, incomplete: false, restating: false, bucket: 0 }
     }
 }
 

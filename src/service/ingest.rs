@@ -31,10 +31,15 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     let followed = follow(state, cursor, worker, &header, new_epoch, events);
     drop(cursors);
     let clear_after = flag(state, worker, &header, &followed, clear_after);
-    let check = followed.digest.filter(|_| clear_after.is_none() && state.stale.get(&worker).is_none());
+    let whole = clear_after.is_none() && state.stale.get(&worker).is_none();
+    let check = followed.digest.filter(|_| whole);
+    let point = followed.checkpoint.filter(|_| whole);
     hand_off(state, pool, worker, followed.events, followed.restate, header.ts_ns, clear_after);
     if let Some(want) = check {
         check_digest(state, pool, worker, want);
+    }
+    if let Some(next_event_id) = point {
+        super::replicas::checkpoint(state, pool, worker, header.epoch, next_event_id);
     }
 }
 
@@ -172,6 +177,9 @@ struct Followed {
     /// The publisher's digest, to compare once the batch is applied: the batch kept the
     /// worker in sequence and no restatement is open.
     digest: Option<Digest>,
+    /// The event id to checkpoint the worker at for its replicas, if this batch is its first
+    /// in an interval of publisher time, in sequence and with no restatement open.
+    checkpoint: Option<u64>,
 }
 
 /// Follows the batch's events through the worker's sequence: duplicates dropped, gaps and a
@@ -199,6 +207,7 @@ fn follow(
         was_incomplete: false,
         restate: Restate::default(),
         digest: None,
+        checkpoint: None,
     };
     for ev in events {
         let ev = match ev {
@@ -259,6 +268,10 @@ fn follow(
     seen.was_incomplete = std::mem::replace(&mut cursor.incomplete, header.incomplete);
     let in_sequence = !seen.gap && !seen.midstream && header.next_event_id.is_some() && cursor.next_id == header.next_event_id;
     seen.digest = header.digest.filter(|_| in_sequence && !cursor.restating && !header.incomplete);
+    let bucket = state.replicas.bucket(header.ts_ns);
+    let new_bucket = std::mem::replace(&mut cursor.bucket, bucket) != bucket && bucket > 0;
+    let placed = !seen.gap && !seen.midstream && !cursor.restating && !header.incomplete;
+    seen.checkpoint = cursor.next_id.filter(|_| new_bucket && placed);
     seen
 }
 

@@ -14,6 +14,8 @@
 //! - [`lookup`]: answering routers over NATS, in the lookup queue group while ready;
 //! - [`routed`]: routers' announced placements (predictions, approximate mode);
 //! - [`recovery`]: resync requests, TTL expiry, NATS reconnects;
+//! - [`replicas`]: replicas of a prefix comparing their workers' digests at the same event ids;
+//!   [`checkpoints`]: what each keeps of its own and its siblings';
 //! - [`catch_up`]: whether a JetStream replica has caught up with its stream;
 //! - [`snapshot`]: JetStream mode's index snapshots in the NATS object store;
 //! - [`http`]: `/metrics`, `/healthz`, `/readyz`; [`inspect`]: the inspect API; [`query`]: the
@@ -22,6 +24,7 @@
 
 mod answer;
 mod catch_up;
+mod checkpoints;
 mod cursors;
 mod health;
 mod http;
@@ -31,6 +34,7 @@ mod inspect;
 mod lookup;
 mod query;
 mod recovery;
+mod replicas;
 mod routed;
 mod served;
 mod snapshot;

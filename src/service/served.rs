@@ -3,7 +3,7 @@
 //! several ([`Models`]), each on its own subject prefix.
 
 use super::state::{now_ns, State};
-use super::{connect, huge_pages, ingest, lookup, recovery, routed, snapshot, stream, workers, LookupRuntime};
+use super::{connect, huge_pages, ingest, lookup, recovery, replicas, routed, snapshot, stream, workers, LookupRuntime};
 use crate::apply::{ApplyPool, OnApplied};
 use crate::config::{Config, Ingest};
 use crate::metrics::Metrics;
@@ -166,6 +166,7 @@ impl<I: KvIndex> Running<I> {
         tasks.push(tokio::spawn(recovery::readiness_loop(state.clone())));
         tasks.push(tokio::spawn(routed::routed_loop(c.clone(), state.clone(), pool.clone())));
         tasks.push(tokio::spawn(workers::workers_responder(c.clone(), state.clone(), pool.clone())));
+        tasks.push(tokio::spawn(replicas::replicas_loop(c.clone(), state.clone())));
         // In the lookup queue group only while ready: a replica rebuilding its index (after a
         // start or a reconnect) leaves lookups to the complete ones.
         let (stop_lookups, stopped) = watch::channel(false);

@@ -2,6 +2,7 @@
 //! subjects it names, the metrics and a rate-limited log, each worker's event sequence, the
 //! stale workers, the replica's health, and its place in a durable stream.
 
+use super::checkpoints::Replicas;
 use super::cursors::{Cursors, Names};
 use super::health::{Health, RebuildWait};
 use super::stale::Stale;
@@ -84,6 +85,8 @@ pub(super) struct State {
     pub(super) health: Health,
     /// Its place in a durable stream.
     pub(super) durable: Durable,
+    /// Its workers' checkpoints and its siblings', compared.
+    pub(super) replicas: Replicas,
 }
 
 impl State {
@@ -101,6 +104,7 @@ impl State {
             expired: Mutex::new(VecDeque::new()),
             health: Health::new(cfg.ingest == Ingest::Jetstream, wait, metrics.clone()),
             durable: Durable::default(),
+            replicas: Replicas::new(cfg.replica_check_interval),
             metrics,
             cfg,
         }

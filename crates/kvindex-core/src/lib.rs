@@ -12,6 +12,8 @@
 //!   decoder, the replay stream and the benchmarks convert into.
 //! - [`digest`]: an order-independent digest of a worker's blocks, kept by the index and by
 //!   publishers alike, so that drift between them shows.
+//! - `fault` (feature `fault-injection`, test builds only): a block lost on purpose, for the
+//!   replicas' digest tests.
 //! - [`seeded`]: hashing keyed with a per-process random seed, for every table keyed by
 //!   values that publishers or routers choose (hash-flooding resistance).
 //! - [`names`]: what a publisher says its engine is (name, URL, model, block size), and the
@@ -63,6 +65,8 @@
 pub mod announced;
 pub mod digest;
 pub mod event;
+#[cfg(feature = "fault-injection")]
+mod fault;
 pub mod groups;
 pub mod hash;
 pub mod hybrid;

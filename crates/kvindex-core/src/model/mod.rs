@@ -282,6 +282,10 @@ impl<I: KvIndex> Model<I> {
         events: &[Event],
         r: Restate,
     ) -> Result<ApplyOutcome, ApplyOutcome> {
+        #[cfg(feature = "fault-injection")]
+        let lost = crate::fault::lose_once(events);
+        #[cfg(feature = "fault-injection")]
+        let events = lost.as_deref().unwrap_or(events);
         let Some(ws) = self.writers_of(w, worker) else {
             return Err(ApplyOutcome { refused: events.len() as u64, ..ApplyOutcome::default() });
         };
