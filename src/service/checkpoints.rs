@@ -37,13 +37,28 @@ pub(super) struct Checkpoint {
 }
 
 impl Checkpoint {
+    /// `worker`'s digest `d` at `(epoch, next_event_id)`.
+    pub(super) fn new(worker: WorkerId, epoch: u64, next_event_id: u64, d: Digest) -> Checkpoint {
+        Checkpoint { worker_id: worker.worker_id, dp_rank: worker.dp_rank, epoch, next_event_id, blocks: d.blocks, sum: d.sum }
+    }
+
+    /// The worker it is of.
     pub(super) fn worker(&self) -> WorkerId {
         WorkerId::new(self.worker_id, self.dp_rank)
     }
 
     /// Whether the two are of the same point of the worker's sequence.
     fn same_point(&self, other: &Checkpoint) -> bool {
-        self.epoch == other.epoch && self.next_event_id == other.next_event_id
+        self.point() == other.point()
+    }
+
+    /// Whether it is of a later point of the worker's sequence than `other`.
+    fn after(&self, other: &Checkpoint) -> bool {
+        self.point() > other.point()
+    }
+
+    fn point(&self) -> (u64, u64) {
+        (self.epoch, self.next_event_id)
     }
 
     pub(super) fn digest(&self) -> Digest {
@@ -52,14 +67,13 @@ impl Checkpoint {
 }
 
 /// One worker's checkpoints: this replica's, newest last, and siblings' not yet matched.
-#[derive(Default)]
 struct Kept {
     /// This replica's.
     mine: VecDeque<Checkpoint>,
     /// Siblings' at points this replica has not reached yet.
     theirs: VecDeque<Checkpoint>,
     /// When this replica last took one (entries go when it has been a while).
-    at: Option<Instant>,
+    at: Instant,
 }
 
 /// The book every task shares: checkpoints per worker, those to send, the siblings heard.
@@ -110,15 +124,17 @@ impl Replicas {
     pub(super) fn record(&self, c: Checkpoint) -> Vec<Compared> {
         let mut book = self.book.lock();
         book.fresh.push(c);
-        let kept = book.workers.entry(c.worker()).or_default();
-        kept.at = Some(Instant::now());
+        let now = Instant::now();
+        let kept =
+            book.workers.entry(c.worker()).or_insert_with(|| Kept { mine: VecDeque::new(), theirs: VecDeque::new(), at: now });
+        kept.at = now;
         let mut matched = Vec::new();
         kept.theirs.retain(|t| {
             if t.same_point(&c) {
                 matched.push((c, *t));
             }
             // Older points than this one will not come again here.
-            t.epoch > c.epoch || (t.epoch == c.epoch && t.next_event_id > c.next_event_id)
+            t.after(&c)
         });
         if kept.mine.len() == KEPT {
             kept.mine.pop_front();
@@ -135,7 +151,7 @@ impl Replicas {
             return Some((*m, t));
         }
         let newest = kept.mine.back().copied();
-        let ahead = newest.is_none_or(|m| t.epoch > m.epoch || (t.epoch == m.epoch && t.next_event_id > m.next_event_id));
+        let ahead = newest.is_none_or(|m| t.after(&m));
         if ahead && !kept.theirs.iter().any(|x| x.same_point(&t)) {
             if kept.theirs.len() == KEPT {
                 kept.theirs.pop_front();
@@ -148,7 +164,7 @@ impl Replicas {
     /// Takes what to send, and forgets workers and siblings gone quiet for `quiet`.
     pub(super) fn take_fresh(&self, quiet: Duration) -> (Vec<Checkpoint>, usize) {
         let mut book = self.book.lock();
-        book.workers.retain(|_, k| k.at.is_some_and(|t| t.elapsed() < quiet));
+        book.workers.retain(|_, k| k.at.elapsed() < quiet);
         let every = self.every.unwrap_or_default();
         book.siblings.retain(|_, t| t.elapsed() < every * SIBLING_INTERVALS);
         (std::mem::take(&mut book.fresh), book.siblings.len())
@@ -199,6 +215,19 @@ mod tests {
         assert_eq!(fresh.len(), 10);
         assert!(r.take_fresh(Duration::ZERO).0.is_empty());
         assert!(r.book.lock().workers.is_empty(), "forgotten once quiet");
+    }
+
+    #[test]
+    fn what_siblings_send_is_bounded() {
+        let r = Replicas::new(1);
+        r.record(at(1, 1));
+        for sibling in 0..100 {
+            r.heard(sibling, (2..20).flat_map(|i| [at(i, 1), Checkpoint { worker_id: 8, ..at(i, 1) }]).collect());
+        }
+        let book = r.book.lock();
+        assert_eq!(book.siblings.len(), MAX_SIBLINGS, "siblings counted at most");
+        assert_eq!(book.workers[&WorkerId::new(7, 0)].theirs.len(), KEPT, "points ahead kept at most");
+        assert_eq!(book.workers.len(), 1, "a worker this replica does not track is not kept");
     }
 
     #[test]

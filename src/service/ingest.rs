@@ -2,6 +2,7 @@
 //! (duplicates, gaps, epochs, snapshots), what its flags become, and the hand-off to the
 //! apply pool. Each step is a function of its own; [`ingest`] runs them in order.
 
+use super::checkpoints::Checkpoint;
 use super::cursors::{Cursor, Cursors, Refusal};
 use super::stale::INCOMPLETE;
 use super::State;
@@ -39,8 +40,31 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
         check_digest(state, pool, worker, want);
     }
     if let Some(next_event_id) = point {
-        super::replicas::checkpoint(state, pool, worker, header.epoch, next_event_id);
+        checkpoint(state, pool, worker, header.epoch, next_event_id);
     }
+}
+
+/// Calls `f` with the worker's digest on its apply thread, once the batch just handed off is
+/// applied; a full queue is waited for in place, so the runtime's other tasks go on.
+fn after_batch<I: KvIndex>(pool: &ApplyPool<I>, worker: WorkerId, f: DigestThen) {
+    if let Err(f) = pool.try_digest_then(worker, f) {
+        tokio::task::block_in_place(|| pool.digest_then(worker, f));
+    }
+}
+
+/// Checkpoints the worker at `(epoch, next_event_id)` for its replicas once the batch is
+/// applied, unless it went stale meanwhile.
+fn checkpoint<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: WorkerId, epoch: u64, next_event_id: u64) {
+    let st = state.clone();
+    after_batch(
+        pool,
+        worker,
+        Box::new(move |held| {
+            if let Some(d) = held.filter(|_| st.stale.get(&worker).is_none()) {
+                super::replicas::checkpointed(&st, Checkpoint::new(worker, epoch, next_event_id, d));
+            }
+        }),
+    );
 }
 
 /// Compares the publisher's digest with the worker's here once the batch is applied: a
@@ -56,19 +80,15 @@ fn check_digest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: Wor
         st.metrics.ingest.digest_checks.inc();
         let held = held.unwrap_or_default();
         if held != want {
-            st.metrics.ingest.digest_mismatches.with_label_values(&["publisher"]).inc();
-            st.log.warn("drift", || {
+            st.drifted(worker, "publisher", "drift", || {
                 format!(
                     "worker {worker} drifted: its publisher holds {} device blocks (digest {:016x}), this index {} ({:016x}); marked stale, asking it to resync",
                     want.blocks, want.sum, held.blocks, held.sum
                 )
             });
-            st.stale.mark(worker, "drift");
         }
     });
-    if let Err(check) = pool.try_digest_then(worker, check) {
-        tokio::task::block_in_place(|| pool.digest_then(worker, check));
-    }
+    after_batch(pool, worker, check);
 }
 
 /// The worker id the subject names, if it may publish here: canonical decimal, not
@@ -266,12 +286,13 @@ fn follow(
         }
     }
     seen.was_incomplete = std::mem::replace(&mut cursor.incomplete, header.incomplete);
-    let in_sequence = !seen.gap && !seen.midstream && header.next_event_id.is_some() && cursor.next_id == header.next_event_id;
-    seen.digest = header.digest.filter(|_| in_sequence && !cursor.restating && !header.incomplete);
+    // Every event placed, and nothing open that a digest would not count yet.
+    let settled = !seen.gap && !seen.midstream && !cursor.restating && !header.incomplete;
+    let in_sequence = header.next_event_id.is_some() && cursor.next_id == header.next_event_id;
+    seen.digest = header.digest.filter(|_| settled && in_sequence);
     let bucket = state.replicas.bucket(header.ts_ns);
     let new_bucket = std::mem::replace(&mut cursor.bucket, bucket) != bucket && bucket > 0;
-    let placed = !seen.gap && !seen.midstream && !cursor.restating && !header.incomplete;
-    seen.checkpoint = cursor.next_id.filter(|_| new_bucket && placed);
+    seen.checkpoint = cursor.next_id.filter(|_| settled && new_bucket);
     seen
 }
 

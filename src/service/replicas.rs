@@ -13,10 +13,7 @@
 
 use super::checkpoints::{Checkpoint, Compared, SIBLING_INTERVALS};
 use super::state::State;
-use crate::apply::{ApplyPool, DigestThen};
 use futures::StreamExt;
-use kvindex_core::hash::WorkerId;
-use kvindex_core::index::KvIndex;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,26 +32,11 @@ struct ReplicaDigests {
     checkpoints: Vec<Checkpoint>,
 }
 
-/// Queues the checkpoint of `worker` at `(epoch, next_event_id)` on its apply thread, after the
-/// batch just handed off; taken there unless the worker went stale meanwhile.
-pub(super) fn checkpoint<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: WorkerId, epoch: u64, next_event_id: u64) {
-    let st = state.clone();
-    let take: DigestThen = Box::new(move |held| {
-        let Some(d) = held.filter(|_| st.stale.get(&worker).is_none()) else { return };
-        let c = Checkpoint {
-            worker_id: worker.worker_id,
-            dp_rank: worker.dp_rank,
-            epoch,
-            next_event_id,
-            blocks: d.blocks,
-            sum: d.sum,
-        };
-        for pair in st.replicas.record(c) {
-            judge(&st, pair);
-        }
-    });
-    if let Err(take) = pool.try_digest_then(worker, take) {
-        tokio::task::block_in_place(|| pool.digest_then(worker, take));
+/// Records this replica's checkpoint (taken on the worker's apply thread) and compares it with
+/// the siblings' at the same point.
+pub(super) fn checkpointed(state: &State, c: Checkpoint) {
+    for pair in state.replicas.record(c) {
+        judge(state, pair);
     }
 }
 
@@ -65,14 +47,12 @@ fn judge(state: &State, (mine, theirs): Compared) {
         return;
     }
     let worker = mine.worker();
-    state.metrics.ingest.digest_mismatches.with_label_values(&["replica"]).inc();
-    state.log.warn("replica_drift", || {
+    state.drifted(worker, "replica", "replica_drift", || {
         format!(
             "worker {worker} differs between replicas at event {} of epoch {}: {} device blocks (digest {:016x}) here, {} ({:016x}) on a sibling; marked stale, asking it to resync",
             mine.next_event_id, mine.epoch, mine.blocks, mine.sum, theirs.blocks, theirs.sum
         )
     });
-    state.stale.mark(worker, "drift");
 }
 
 /// The subject replicas of this prefix and shard compare on.

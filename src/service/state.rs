@@ -115,6 +115,14 @@ impl State {
         self.metrics.ingest.decode_failures.with_label_values(&[reason]).inc();
         self.log.warn(reason, detail);
     }
+
+    /// A digest of `worker` that differs from `source`'s (a publisher, a sibling replica):
+    /// counted, logged under `key`, and the worker flagged stale (`drift`), so it resyncs.
+    pub(super) fn drifted(&self, worker: WorkerId, source: &'static str, key: &'static str, detail: impl FnOnce() -> String) {
+        self.metrics.ingest.digest_mismatches.with_label_values(&[source]).inc();
+        self.log.warn(key, detail);
+        self.stale.mark(worker, "drift");
+    }
 }
 
 /// Nanoseconds since the Unix epoch, wall-clock (what publishers stamp batches with).
