@@ -110,11 +110,31 @@ pub struct BridgeConfig {
     pub prefix: String,
     /// The bridge's own settings.
     pub bridge: BridgeSettings,
+    /// Test builds only: a fault to make on purpose; never read from a file or the environment.
+    #[cfg(feature = "fault-injection")]
+    #[serde(skip)]
+    pub fault: BridgeFault,
+}
+
+/// Test builds only (feature `fault-injection`): what a broken bridge would do, so that tests
+/// can show the digest finds it.
+#[cfg(feature = "fault-injection")]
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct BridgeFault {
+    /// The engine block hash whose first `stored` event each rank loses: counted in the
+    /// rank's block set and digest as if forwarded, never sent, and no event id skipped.
+    pub lose_event_storing: Option<u64>,
 }
 
 impl Default for BridgeConfig {
     fn default() -> Self {
-        BridgeConfig { nats: NatsSettings::default(), prefix: "kv".into(), bridge: BridgeSettings::default() }
+        BridgeConfig {
+            nats: NatsSettings::default(),
+            prefix: "kv".into(),
+            bridge: BridgeSettings::default(),
+            #[cfg(feature = "fault-injection")]
+            fault: BridgeFault::default(),
+        }
     }
 }
 

@@ -45,6 +45,9 @@ pub(crate) struct RankBridge {
     incomplete: bool,
     /// The engine's KV-cache groups, as its events have shown them.
     groups: RankGroups,
+    /// Test builds: the engine block whose first `stored` event this rank loses silently.
+    #[cfg(feature = "fault-injection")]
+    lose_storing: Option<u64>,
 }
 
 /// How many unknown media a rank names in its log.
@@ -76,6 +79,8 @@ impl RankBridge {
             media_named: HashSet::new(),
             incomplete: false,
             groups: RankGroups::default(),
+            #[cfg(feature = "fault-injection")]
+            lose_storing: cfg.fault.lose_event_storing,
         })
     }
 
@@ -275,6 +280,8 @@ impl RankBridge {
                 Ok(ev) => {
                     self.metrics.events.with_label_values(&[ev.kind()]).inc();
                     self.metrics.blocks.inc_by(ev.blocks() as u64);
+                    #[cfg(feature = "fault-injection")]
+                    self.lose_if_storing(&ev);
                     self.publisher.publish(&ev);
                     // From an empty cache on, every block of the engine passes through here.
                     if ev == Event::Cleared && self.incomplete {
@@ -297,6 +304,19 @@ impl RankBridge {
         let now = now_ns() as f64 / 1e9;
         if ts > 0.0 && now >= ts {
             self.metrics.engine_lag.observe(now - ts);
+        }
+    }
+}
+
+#[cfg(feature = "fault-injection")]
+impl RankBridge {
+    /// Test builds: the publisher loses `ev` if it stores the block this rank is to lose.
+    fn lose_if_storing(&mut self, ev: &Event) {
+        let storing = |target: u64| matches!(ev, Event::Stored { blocks, .. } if blocks.iter().any(|b| b.block_hash.0 == target));
+        if self.lose_storing.is_some_and(storing) {
+            self.lose_storing = None;
+            tracing::warn!(rank = self.rank, "fault injected: an engine event is lost without a trace");
+            self.publisher.lose_next_event();
         }
     }
 }
