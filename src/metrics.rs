@@ -238,6 +238,8 @@ pub struct WorkerMetrics {
     pub ready: IntGauge,
     /// `kvindex_rebuild_seconds`.
     pub rebuild_seconds: Gauge,
+    /// `kvindex_shard_superseded`.
+    pub superseded: IntGauge,
 }
 
 impl WorkerMetrics {
@@ -256,6 +258,11 @@ impl WorkerMetrics {
                 r,
                 "kvindex_rebuild_seconds",
                 "Time from the last broadcast resync to ready: how long the last rebuild took.",
+            ),
+            superseded: gauge(
+                r,
+                "kvindex_shard_superseded",
+                "1 once the NATS mapping brought this shard another shard's worker (the shard count changed): out of lookups until restarted.",
             ),
         }
     }

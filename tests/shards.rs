@@ -5,7 +5,7 @@
 //! events must land on its own shard alone; with both replicas of a shard killed, answers say
 //! which shard is missing instead of silently leaving its workers out, and are whole again once
 //! it restarts; a NATS node lost changes nothing; and the same fleet on another partition count
-//! answers the same.
+//! answers the same, also while the old count's shards still run beside the new.
 
 mod support;
 use kvindex_tools as tools;
@@ -125,6 +125,26 @@ async fn agree(fleet: &Fleet, lookups: &LookupClient, missing: &[u32], only: imp
     assert!(ok.is_some(), "{what}: the merged answers never matched the reference model; last: {}", last.borrow());
 }
 
+/// Which (shard, count) pairs answer one lookup of `q`, every reply heard for a second: what
+/// a router gathering the shards' answers could hear.
+async fn answering(client: &async_nats::Client, q: &[LocalHash]) -> BTreeSet<(u32, u32)> {
+    use futures::StreamExt;
+    use kvindex_client::protocol::{LookupRequest, LookupResponse};
+    let inbox = client.new_inbox();
+    let mut replies = client.subscribe(inbox.clone()).await.expect("subscribes");
+    let req = LookupRequest { block_hashes: Some(q.iter().map(|h| h.0).collect()), ..Default::default() };
+    let body = rmp_serde::to_vec_named(&req).expect("encodes");
+    client.publish_with_reply("t.lookup", inbox, body.into()).await.expect("publishes");
+    let mut heard = BTreeSet::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(1);
+    while let Ok(Some(m)) = tokio::time::timeout_at(until, replies.next()).await {
+        if let Ok(LookupResponse::Matches { shard: Some(of), .. }) = rmp_serde::from_slice(&m.payload) {
+            heard.insert((of.shard, of.shards));
+        }
+    }
+    heard
+}
+
 /// The workers a daemon's own shard holds (its inspect API, `local`).
 async fn local_workers(d: &DaemonProcess) -> BTreeSet<u64> {
     let body = http_get(&d.inspect_addr, "/v1/workers?local=true&limit=10000").await.map(|r| r.1).unwrap_or_default();
@@ -147,6 +167,7 @@ async fn a_sharded_deployment_answers_as_one_index_through_its_faults() {
     let cfg = MockConfig { workers: WORKERS, capacity: 2048, ..Default::default() };
     let ops: Vec<Op> = MockEngine::run(cfg, &trace).into_iter().map(|o| Op::from(o.op)).collect();
     let (first, rest) = ops.split_at(ops.len() * 3 / 4);
+    let (mid, last) = rest.split_at(rest.len() / 2);
     fleet.replay(first.iter().cloned()).await;
 
     let router = async_nats::connect(cluster.url(0)).await.expect("the router connects");
@@ -181,27 +202,48 @@ async fn a_sharded_deployment_answers_as_one_index_through_its_faults() {
 
     // A NATS node lost: its clients move to the others; the rest of the stream is applied.
     cluster.kill(1);
-    fleet.replay(rest.iter().cloned()).await;
+    fleet.replay(mid.iter().cloned()).await;
     agree(&fleet, &lookups, &[], |_| true, "a NATS node down").await;
     cluster.restart(1);
     cluster.formed().await;
 
-    // Another partition count: the mapping changes, the shards restart with it, and rebuild
-    // their workers from the engines' snapshots.
-    for d in daemons.iter_mut().flatten() {
-        d.kill9();
-    }
+    // Another partition count while the old shards still run: the mapping changes, the new
+    // shards start beside the old and rebuild from the engines' snapshots, and the stream goes
+    // on. The old shards the mapping now brings other shards' workers step out of lookups;
+    // answers come from the new count alone, never a mix of the two.
     cluster.remap(2);
     cluster.formed().await;
     let mut two: Vec<DaemonProcess> = (0..2).map(|k| shard_daemon(&cluster, 2, k)).collect();
     for d in two.iter_mut() {
         d.wait_ready(30).await;
     }
-    agree(&fleet, &lookups, &[], |_| true, "two shards").await;
+    fleet.replay(last.iter().cloned()).await;
+    agree(&fleet, &lookups, &[], |_| true, "two shards beside the old three").await;
+    for (k, replicas) in daemons.iter().enumerate().take(2) {
+        for d in replicas {
+            let superseded = eventually(30, || async { (d.metric("kvindex_shard_superseded").await == 1.0).then_some(()) }).await;
+            assert!(superseded.is_some(), "old shard {k} of 3 heard another shard's worker and left lookups");
+            assert_eq!(d.metric("kvindex_lookup_member").await, 0.0, "old shard {k} of 3 answers no lookup");
+        }
+    }
     for (k, d) in two.iter().enumerate() {
         let want: BTreeSet<u64> = (0..WORKERS).filter(|&w| partition(w, 2) == k as u32).collect();
         assert_eq!(local_workers(d).await, want, "shard {k} of 2 holds exactly its workers");
+        assert_eq!(d.metric("kvindex_shard_superseded").await, 0.0);
     }
+    // Old shard 2 of 3 hears nothing now and answers again once its rebuild times out; its
+    // count stays incomplete, so answers still come from the new count alone.
+    let old = &daemons[2][0];
+    let back = eventually(60, || async { (old.metric("kvindex_lookup_member").await == 1.0).then_some(()) }).await;
+    assert!(back.is_some(), "old shard 2 of 3 answers lookups again");
+    let router = async_nats::connect(cluster.url(0)).await.expect("connects");
+    assert_eq!(answering(&router, &fleet.queries[0]).await, BTreeSet::from([(0, 2), (1, 2), (2, 3)]), "who answers a lookup");
+    agree(&fleet, &lookups, &[], |_| true, "two shards beside an old one answering").await;
+    // The old count stopped, as an operator finishes the change: nothing changes.
+    for d in daemons.iter_mut().flatten() {
+        d.kill9();
+    }
+    agree(&fleet, &lookups, &[], |_| true, "two shards").await;
 }
 
 /// Polls until `d` has written more than `n` snapshots.

@@ -400,6 +400,16 @@ impl Config {
         (self.shards > 1).then_some(kvindex_client::protocol::ShardOf { shard: self.shard, shards: self.shards })
     }
 
+    /// The queue group this replica answers lookups in: `kvindex`, or per shard and count
+    /// (`kvindex-shard-{k}-of-{S}`), so that while the count changes a lookup reaches one
+    /// replica of every shard of each count.
+    pub fn lookup_group(&self) -> String {
+        match self.shard_of() {
+            Some(s) => format!("kvindex-shard-{}-of-{}", s.shard, s.shards),
+            None => "kvindex".to_string(),
+        }
+    }
+
     /// What the NATS mapping appends to a worker's subjects for this daemon's shard (`.k`), or
     /// nothing when the deployment is not sharded.
     pub fn shard_suffix(&self) -> String {

@@ -52,6 +52,10 @@ pub(super) struct Health {
     pub(super) ready: tokio::sync::watch::Sender<bool>,
     /// In the lookup queue group, the server acknowledging the subscriptions.
     pub(super) member: AtomicBool,
+    /// Sharded: the NATS mapping brought this shard an event of a worker another shard owns
+    /// under its count, so the deployment's count has changed (or the mapping is wrong) and
+    /// this shard no longer hears all its workers. Out of lookups for good: never ready again.
+    superseded: AtomicBool,
     /// JetStream: whether the replica has caught up with the stream (always in core mode).
     pub(super) caught_up: CatchUp,
     /// When a rebuild counts as done.
@@ -68,6 +72,7 @@ impl Health {
             readiness: Mutex::new(Readiness::new()),
             ready: tokio::sync::watch::Sender::new(false),
             member: AtomicBool::new(false),
+            superseded: AtomicBool::new(false),
             caught_up: CatchUp::new(!durable),
             wait,
             metrics,
@@ -84,6 +89,14 @@ impl Health {
         *self.readiness.lock() = Readiness::new();
         self.ready.send_replace(false);
         self.metrics.workers.ready.set(0);
+    }
+
+    /// This shard's count is not the mapping's any more: it leaves lookups for good. True
+    /// the first time, so the caller says it once.
+    pub(super) fn supersede(&self) -> bool {
+        let first = !self.superseded.swap(true, Ordering::Relaxed);
+        self.metrics.workers.superseded.set(1);
+        first
     }
 
     /// Rebuilt without a broadcast (from a snapshot of the index and the stream after it).
@@ -132,7 +145,7 @@ impl Health {
                 }
             }
         }
-        let ready = connected && r.ready && self.caught_up.is_done();
+        let ready = connected && r.ready && self.caught_up.is_done() && !self.superseded.load(Ordering::Relaxed);
         self.ready.send_if_modified(|now| std::mem::replace(now, ready) != ready);
         self.metrics.workers.ready.set(ready as i64);
     }
@@ -140,6 +153,9 @@ impl Health {
     /// What `/readyz` answers: ready, or why not.
     pub(super) fn readyz(&self) -> (bool, &'static str) {
         let ready = *self.ready.borrow();
+        if self.superseded.load(Ordering::Relaxed) {
+            return (false, "superseded: the NATS mapping partitions workers by another shard count; restart this shard with the deployment's --shards\n");
+        }
         match (ready, self.connected.load(Ordering::Relaxed), self.member.load(Ordering::Relaxed)) {
             (true, _, true) => (true, "ready: answering lookups\n"),
             (true, _, false) => (false, "rebuilt; joining the lookup queue group\n"),

@@ -117,6 +117,14 @@ fn subject_worker<I: KvIndex>(state: &State, pool: &ApplyPool<I>, subject: &str)
                     of.shards, of.shard, of.shards
                 )
             });
+            if state.health.supersede() {
+                tracing::error!(
+                    shard = of.shard,
+                    shards = of.shards,
+                    "the NATS mapping no longer partitions workers by {}: this shard leaves lookups for good (kvindex_shard_superseded); stop it, or restart it with the deployment's --shards",
+                    of.shards
+                );
+            }
             return None;
         }
     }

@@ -36,11 +36,7 @@ pub(super) async fn lookup_membership<I: KvIndex>(
         let mut subs = Vec::with_capacity(subscribers);
         for _ in 0..subscribers {
             // One queue group per shard: a lookup reaches one replica of every shard.
-            let group = match state.cfg.shard_of() {
-                Some(s) => format!("kvindex-shard-{}", s.shard),
-                None => "kvindex".to_string(),
-            };
-            match client.queue_subscribe(subject.clone(), group).await {
+            match client.queue_subscribe(subject.clone(), state.cfg.lookup_group()).await {
                 Ok(sub) => subs.push(sub),
                 Err(e) => state.log.warn("lookup_subscribe", || format!("cannot subscribe to {subject}: {e}")),
             }

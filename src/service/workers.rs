@@ -257,7 +257,7 @@ pub(super) async fn workers_responder<I: KvIndex>(client: async_nats::Client, st
     use futures::StreamExt;
     let Some(of) = state.cfg.shard_of() else { return };
     let subject = format!("{}.inspect.workers", state.cfg.prefix);
-    let mut sub = match client.queue_subscribe(subject.clone(), format!("kvindex-shard-{}", of.shard)).await {
+    let mut sub = match client.queue_subscribe(subject.clone(), state.cfg.lookup_group()).await {
         Ok(s) => s,
         Err(e) => {
             tracing::warn!("cannot subscribe to {subject}: {e}; other replicas cannot list this shard's workers");
