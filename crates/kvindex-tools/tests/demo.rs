@@ -75,20 +75,25 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
 }
 
 /// The same closed loop on three shards of kvindex (a NATS server of the demo's own
-/// partitioning the workers, the router's lookups merged across the shards): it routes as well
-/// as one index does, as close to the oracle.
+/// partitioning the workers, the router's lookups merged across the shards), beside one index
+/// on the same trace: it routes as well as the one index does, as close to the oracle.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_shards_route_as_well_as_one_index() {
-    let (trace, cfg) = (trace(), config(3, false));
-    let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs on three shards");
-    let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
-    let (kv, oracle, rr) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin));
-    println!("three shards: kv-aware {kv:.3}, oracle {oracle:.3}, round-robin {rr:.3}");
+    let trace = trace();
+    let one = run(&trace, &config(1, false), std::future::pending()).await.expect("the demo runs on one index");
+    let report = run(&trace, &config(3, false), std::future::pending()).await.expect("the demo runs on three shards");
+    let rate =
+        |r: &tools::demo::DemoReport, p: Policy| r.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
+    let (kv, oracle, rr) = (rate(&report, Policy::KvAware), rate(&report, Policy::Oracle), rate(&report, Policy::RoundRobin));
+    let kv_one = rate(&one, Policy::KvAware);
+    println!("three shards: kv-aware {kv:.3}, oracle {oracle:.3}, round-robin {rr:.3}; one index: kv-aware {kv_one:.3}");
     assert_eq!(report.lookups, 2000, "every request was routed with the merged answer ({} failed)", report.lookup_errors);
     assert_eq!(report.partial_answers, 0, "every answer had every shard's part");
-    assert!(kv >= oracle * 0.9, "kv-aware on three shards {kv} falls short of the oracle {oracle}");
+    // Both route on exact answers; only events still in flight (a few ms) tell them apart.
+    assert!(kv >= kv_one * 0.97, "kv-aware on three shards {kv} falls short of one index {kv_one}");
+    assert!(kv >= oracle * 0.97, "kv-aware on three shards {kv} falls short of the oracle {oracle}");
     assert!(kv > rr * 2.0, "kv-aware on three shards {kv} does not beat round-robin {rr}");
-    assert!(rate(Policy::Approximate) > rr * 2.0, "approximate mode works across shards too");
+    assert!(rate(&report, Policy::Approximate) > rr * 2.0, "approximate mode works across shards too");
     assert_eq!(report.query_api_errors, 0);
-    assert!(rate(Policy::KvAwareHttp) >= oracle * 0.9, "the query API answers for every shard");
+    assert!(rate(&report, Policy::KvAwareHttp) >= oracle * 0.97, "the query API answers for every shard");
 }
