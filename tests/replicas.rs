@@ -371,13 +371,14 @@ async fn two_replicas_made_to_diverge_find_it_and_converge() {
     let lose = CHAIN[2].0.to_string();
     let mut b = DaemonProcess::start(&nats.url(), &[], &[("REPLICA_CHECK_INTERVAL", "1"), ("FAULT_LOSE_BLOCK", &lose)]);
     b.wait_ready(30).await;
+    let published = std::time::Instant::now();
     let _engine = heartbeating_publisher(client.clone());
 
     let drifted = || async {
         a.metric("kvindex_digest_mismatch_total{source=\"replica\"}").await
             + b.metric("kvindex_digest_mismatch_total{source=\"replica\"}").await
     };
-    let found = eventually(20, || async { (drifted().await >= 1.0).then_some(()) }).await;
+    let found = eventually(20, || async { (drifted().await >= 1.0).then(|| published.elapsed()) }).await;
     assert!(found.is_some(), "the replicas' checkpoints differ: {}", b.log_text());
     let want = format!("worker 1 rank 0: 3 device blocks, digest {:016x}\n", Digest::of(CHAIN.map(|(h, _)| h)).sum);
     let (ia, ib) = (a.cfg.inspect_addr.clone(), b.inspect_addr.clone());
@@ -387,6 +388,11 @@ async fn two_replicas_made_to_diverge_find_it_and_converge() {
     })
     .await;
     assert!(converged.is_some(), "both hold the chain: {:?} / {:?}", dump_digest(&ia).await, dump_digest(&ib).await);
+    println!(
+        "diverged replicas: found {:?} after the chain was published, converged at {:?}",
+        found.unwrap(),
+        published.elapsed()
+    );
     // Each replica asked: the publisher answers each, and the second snapshot may restate.
     assert!(b.metric("kvindex_snapshots_total{result=\"complete\"}").await >= 1.0, "B rebuilt the worker from a snapshot");
 
