@@ -593,3 +593,59 @@ const SETTLE_ROUNDS: usize = 2048;
 fn new_hashes(blocks: &[StoredBlock]) -> Hashes {
     Hashes::new(blocks.iter().map(|b| b.tokens_hash.0), blocks.len())
 }
+
+/// A dense cover read by the walk's own step ([`step_dense`]) while its writer changes a
+/// worker's cutoff: the step ends the worker, puts it out at its cutoff or takes it on, and
+/// that must be one of the worker's states while the read ran.
+#[cfg(all(test, loom))]
+mod loom_model {
+    use super::*;
+    use loom::sync::atomic::AtomicU32;
+    use loom::sync::Arc;
+
+    /// Worker 0's cutoff in a dense run of 5 blocks, step by step: it joins holding 3, holds
+    /// all 5, drops to 2, leaves, and joins again holding all 5.
+    const DENSE: [u32; 6] = [0, 3, 5, 2, 0, 5];
+
+    #[test]
+    fn a_walk_through_a_dense_cover_sees_one_of_the_worker_s_states() {
+        loom::model(|| {
+            let d = Arc::new(Dense::empty(5, 64));
+            let step = Arc::new(AtomicU32::new(0));
+            let writer = {
+                let (d, step) = (d.clone(), step.clone());
+                loom::thread::spawn(move || {
+                    for n in 1..DENSE.len() {
+                        d.set(0, DENSE[n - 1], DENSE[n]);
+                        step.store(n as u32, std::sync::atomic::Ordering::SeqCst);
+                    }
+                })
+            };
+            let locals = 1..=5u64;
+            let run = Run::new(1, ROOT, 0, 0, Some(Hashes::new(locals.clone(), 5)));
+            let query: Vec<LocalHash> = locals.map(LocalHash).collect();
+            let mut s = Scratch::default();
+            s.alive.fill(1);
+            s.next = SlotBits::with_width(1);
+            let mut ended = SlotBits::with_width(1);
+            let guard = epoch::pin();
+            let before = step.load(std::sync::atomic::Ordering::SeqCst) as usize;
+            let k = step_dense(&d, &run, &query, 0, &mut s, &mut ended, &guard);
+            let after = (step.load(std::sync::atomic::Ordering::SeqCst) as usize + 1).min(DENSE.len() - 1);
+            // Taken on past the run's end: it held all of it; put out: at its cutoff; ended: none.
+            let got = match (s.next.contains(0), s.out.iter().find(|(slot, _)| *slot == 0), ended.contains(0)) {
+                (true, None, false) => k as u32,
+                (false, Some(&(_, depth)), false) => depth,
+                (false, None, true) => 0,
+                other => panic!("worker 0 came out of the step as {other:?}"),
+            };
+            assert!(
+                DENSE[before..=after].contains(&got),
+                "saw cutoff {got}; its states from step {before} to {after} were {:?}",
+                &DENSE[before..=after]
+            );
+            drop(guard);
+            writer.join().expect("writer");
+        });
+    }
+}
