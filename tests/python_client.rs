@@ -11,12 +11,18 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use support::{Daemon, NatsServer};
 
-/// The client's virtual environment's python (scripts/python-client builds it, cached).
+/// The client's virtual environment's python (scripts/python-client builds it, cached, once
+/// for the tests of this binary: they run side by side).
 fn python() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = Command::new(root.join("scripts/python-client")).output().expect("scripts/python-client runs");
-    assert!(out.status.success(), "installing the Python client failed: {}", String::from_utf8_lossy(&out.stderr));
-    PathBuf::from(String::from_utf8(out.stdout).expect("a path").trim())
+    static PYTHON: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    PYTHON
+        .get_or_init(|| {
+            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+            let out = Command::new(root.join("scripts/python-client")).output().expect("scripts/python-client runs");
+            assert!(out.status.success(), "installing the Python client failed: {}", String::from_utf8_lossy(&out.stderr));
+            PathBuf::from(String::from_utf8(out.stdout).expect("a path").trim())
+        })
+        .clone()
 }
 
 /// `live.py url prefix shards partitions`, its stdin and stdout piped.
