@@ -8,7 +8,7 @@
 
 use crossbeam_channel::{bounded, Receiver, Sender, TrySendError};
 use kvindex_core::announced::AnnounceOutcome;
-use kvindex_core::digest::Digest;
+use kvindex_core::digest::WorkerDigests;
 use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::{ApplyOutcome, KvIndex};
 use kvindex_core::model::{Model, Restate, SavedWorker, WorkerHeld, Writers};
@@ -28,8 +28,8 @@ pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64, Instant) + Send + 
 /// Work to run on a worker's apply thread once its queued events are applied.
 pub type Then = Box<dyn FnOnce() + Send>;
 
-/// Told a worker's device digest on its apply thread (`None`: the thread does not know it).
-pub type DigestThen = Box<dyn FnOnce(Option<Digest>) + Send>;
+/// Told a worker's digests (every tier kept) on its apply thread (`None`: the thread does not know it).
+pub type DigestThen = Box<dyn FnOnce(Option<WorkerDigests>) + Send>;
 
 /// Called on the apply thread after each announcement or expiry of a worker's announced
 /// blocks: the worker, whether it is routed-only (else the blocks are predictions), what
@@ -231,7 +231,7 @@ impl<I: KvIndex> ApplyPool<I> {
         let _ = self.senders[self.thread_of(saved.worker)].send(Command::Restore(Box::new(saved)));
     }
 
-    /// Calls `f` with `worker`'s device digest on its thread, once the events queued for it
+    /// Calls `f` with `worker`'s digests on its thread, once the events queued for it
     /// so far are applied, waiting while the queue is full.
     pub fn digest_then(&self, worker: WorkerId, f: DigestThen) {
         let _ = self.senders[self.thread_of(worker)].send(Command::Digest(worker, f));
@@ -368,7 +368,7 @@ impl<I: KvIndex> ApplyThread<'_, I> {
                 self.report(saved.worker, result, 0, taken);
             }
             Command::Then(f) => f(),
-            Command::Digest(worker, f) => f(model.digest(&self.writers, worker)),
+            Command::Digest(worker, f) => f(model.digests(&self.writers, worker)),
             Command::Flush(done) => {
                 let _ = done.send(());
             }

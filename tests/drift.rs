@@ -78,6 +78,38 @@ async fn an_event_lost_without_a_gap_is_found_by_the_digest_and_healed() {
     d.stop().await.unwrap();
 }
 
+/// A host-tier event lost without a gap: the device digests still agree, the host digests do
+/// not; the mismatch is found, healed by the snapshot (which carries every tier), and the
+/// digests agree from then on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_host_tier_event_is_found_by_the_tier_digests() {
+    use kvindex_client::core::Tier;
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let p = publisher(&client, 4).await;
+    p.stored(None, &[StoredBlock::new(50, 1), StoredBlock::new(51, 2)]);
+    p.stored_in(Tier::Host, None, &[StoredBlock::new(60, 1), StoredBlock::new(61, 2)]);
+    let checks = || d.metric("kvindex_digest_checks_total");
+    let mismatches = || d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}");
+    let agreed = eventually(10, || async { (checks().await >= 2.0).then_some(()) }).await;
+    assert!(agreed.is_some(), "digests compared while both tiers agree");
+    assert_eq!(mismatches().await, 0.0, "a publisher's tier digests equal the index's");
+
+    p.lose_next_event();
+    p.stored_in(Tier::Host, Some(BlockHash(61)), &[StoredBlock::new(62, 3)]);
+    let found = eventually(10, || async { (mismatches().await >= 1.0).then_some(()) }).await;
+    assert!(found.is_some(), "the host digests differ");
+    let settled = eventually(10, || async { (d.metric("kvindex_stale_workers").await == 0.0).then_some(()) }).await;
+    assert!(settled.is_some(), "the snapshot healed the worker");
+    let (m, c) = (mismatches().await, checks().await);
+    let more = eventually(10, || async { (checks().await >= c + 3.0).then_some(()) }).await;
+    assert!(more.is_some(), "digests keep being compared");
+    assert_eq!(mismatches().await, m, "healed: every tier's digests agree again");
+    assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0);
+    d.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churning_engines_never_set_a_digest_off() {
     let nats = NatsServer::start();

@@ -65,8 +65,9 @@ async fn the_python_client_asks_announces_and_publishes_against_one_daemon() {
     let mut out = child.stdout.take().map(BufReader::new);
     said(&mut out, "ok").await;
     finished(child).await;
-    // Its heartbeats' digests agreed with the index's every time.
-    assert_eq!(d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}").await, 0.0);
+    // Its heartbeats' digests agreed with the index's every time but once: the host-tier
+    // block the script held without sending.
+    assert_eq!(d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}").await, 1.0);
     d.stop().await.unwrap();
 }
 

@@ -8,7 +8,7 @@ use super::stale::INCOMPLETE;
 use super::State;
 use crate::apply::{ApplyPool, DigestThen, Then};
 use kvindex_client::protocol::{decode_batch, BatchHeader, DecodeError, EventBatch, KvEvent};
-use kvindex_core::digest::Digest;
+use kvindex_core::digest::WorkerDigests;
 use kvindex_core::hash::WorkerId;
 use kvindex_core::index::KvIndex;
 use kvindex_core::model::Restate;
@@ -61,7 +61,7 @@ fn checkpoint<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: Worke
         worker,
         Box::new(move |held| {
             if let Some(d) = held.filter(|_| st.stale.get(&worker).is_none()) {
-                super::replicas::checkpointed(&st, Checkpoint::new(worker, epoch, next_event_id, d));
+                super::replicas::checkpointed(&st, Checkpoint::new(worker, epoch, next_event_id, d.device));
             }
         }),
     );
@@ -70,7 +70,7 @@ fn checkpoint<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: Worke
 /// Compares the publisher's digest with the worker's here once the batch is applied: a
 /// difference (an event lost without a gap, or applied wrong) is counted, and the worker is
 /// flagged stale (`drift`) and asked for a snapshot, which heals it.
-fn check_digest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: WorkerId, want: Digest) {
+fn check_digest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: WorkerId, want: WorkerDigests) {
     let st = state.clone();
     let check: DigestThen = Box::new(move |held| {
         // Marked stale meanwhile (a store it could not place): its snapshot will tell.
@@ -79,11 +79,11 @@ fn check_digest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: Wor
         }
         st.metrics.ingest.digest_checks.inc();
         let held = held.unwrap_or_default();
-        if held != want {
+        if let Some((tier, said, kept)) = want.differs(&held) {
             st.drifted(worker, "publisher", "drift", || {
                 format!(
-                    "worker {worker} drifted: its publisher holds {} device blocks (digest {:016x}), this index {} ({:016x}); marked stale, asking it to resync",
-                    want.blocks, want.sum, held.blocks, held.sum
+                    "worker {worker} drifted: its publisher holds {} {tier} blocks (digest {:016x}), this index {} ({:016x}); marked stale, asking it to resync",
+                    said.blocks, said.sum, kept.blocks, kept.sum
                 )
             });
         }
@@ -202,9 +202,9 @@ struct Followed {
     was_incomplete: bool,
     /// Where the batch stands in a restatement of the worker.
     restate: Restate,
-    /// The publisher's digest, to compare once the batch is applied: the batch kept the
+    /// The publisher's digests, to compare once the batch is applied: the batch kept the
     /// worker in sequence and no restatement is open.
-    digest: Option<Digest>,
+    digest: Option<WorkerDigests>,
     /// The event id to checkpoint the worker at for its replicas, if this batch is its first
     /// in an interval of publisher time, in sequence and with no restatement open.
     checkpoint: Option<u64>,
@@ -297,7 +297,8 @@ fn follow(
     // Every event placed, and nothing open that a digest would not count yet.
     let settled = !seen.gap && !seen.midstream && !cursor.restating && !header.incomplete;
     let in_sequence = header.next_event_id.is_some() && cursor.next_id == header.next_event_id;
-    seen.digest = header.digest.filter(|_| settled && in_sequence);
+    seen.digest =
+        header.digest.filter(|_| settled && in_sequence).map(|device| WorkerDigests { device, tiers: header.tier_digests });
     let bucket = state.replicas.bucket(header.ts_ns);
     let new_bucket = std::mem::replace(&mut cursor.bucket, bucket) != bucket && bucket > 0;
     seen.checkpoint = cursor.next_id.filter(|_| settled && new_bucket);

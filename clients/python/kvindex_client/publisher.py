@@ -49,6 +49,9 @@ class Publisher:
         # Per tier, what the engine holds: block hash -> (parent hash, tokens hash), in the
         # order stored.
         self.held: Dict[str, Dict[int, Tuple[Optional[int], int]]] = {t: {} for t in TIERS}
+        # Whether a host or disk block was ever held: from then on heartbeats carry those
+        # tiers' digests too (an engine without them sends none).
+        self._tiered = False
         self._named = False
         self._subs: List[Any] = []
         self._beat: Optional[asyncio.Task] = None
@@ -75,6 +78,7 @@ class Publisher:
     async def stored(self, blocks: Sequence[Tuple[int, int]], parent: Optional[int] = None, tier: str = "device") -> None:
         """A chain of ``(block_hash, tokens_hash)`` under ``parent`` (None: from position 0)."""
         async with self._lock:
+            self._tiered |= tier != "device"
             prev = parent
             for block_hash, tokens_hash in blocks:
                 self.held[tier][block_hash] = (prev, tokens_hash)
@@ -93,6 +97,14 @@ class Publisher:
             for t in TIERS:
                 self.held[t].clear()
             await self._send(["cleared"])
+
+    def _digests(self) -> Dict[str, Any]:
+        """The ``digest`` of the device blocks held and, once host or disk blocks were held,
+        ``tier_digests`` of those two tiers (docs/PROTOCOL.md, "Digests")."""
+        flags: Dict[str, Any] = {"digest": list(digest(self.held["device"]))}
+        if self._tiered:
+            flags["tier_digests"] = [list(digest(self.held[t])) for t in ("host", "disk")]
+        return flags
 
     def _header(self) -> Dict[str, Any]:
         h: Dict[str, Any] = {"worker_id": self.worker_id, "dp_rank": self.dp_rank, "epoch": self.epoch, "ts_ns": time.time_ns()}
@@ -117,7 +129,7 @@ class Publisher:
             await asyncio.sleep(self.heartbeat)
             async with self._lock:
                 self._named = False  # say what the engine is once a heartbeat
-                await self._send([], digest=list(digest(self.held["device"])))
+                await self._send([], **self._digests())
 
     async def snapshot(self) -> None:
         """Sends everything held: ``cleared``, then each tier's chains parents first."""
@@ -145,7 +157,7 @@ class Publisher:
                 self._named = False
                 flags: Dict[str, Any] = {"snapshot": True, "snapshot_end": last}
                 if last:
-                    flags["digest"] = list(digest(self.held["device"]))
+                    flags.update(self._digests())
                 await self._send(datas[i : i + SNAPSHOT_CHUNK], **flags)
 
     async def _asked(self, msg: Any) -> None:

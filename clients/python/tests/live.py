@@ -2,8 +2,8 @@
 nats-server and the daemons): ``live.py NATS_URL PREFIX SHARDS``.
 
 One shard: named and numbered publishers, lookups by tokens and hashes with every option, the
-hashing rules checked against kvindex's own (it hashes the tokens), an announcement, and a
-resync healed by the publisher's snapshot. Two shards: the merged answer is every worker's;
+hashing rules checked against kvindex's own (it hashes the tokens), an announcement, a
+resync healed by the publisher's snapshot, a lost host-tier event found by its digest. Two shards: the merged answer is every worker's;
 after printing ``whole`` it waits for a line on stdin (shard 1 stopped), then expects shard 1
 named missing and shard 0's workers kept.
 """
@@ -101,6 +101,19 @@ async def one_shard(nc, prefix):
         return ans if depth(ans, a.worker_id) == (3, False) else None
 
     await until(healed, "worker a whole again after its snapshot")
+
+    # A host-tier event lost on the way (held, never sent): only the host tier's digest shows
+    # it; kvindex flags worker 7 drifted, asks for a snapshot, and then holds the block.
+    longest = prompt + list(range(20, 24))
+    fifth = local_hashes(longest, 4)[4]
+    b.held["host"][204] = (203, fifth)
+
+    async def host_healed():
+        ans = await lookups.lookup(longest, 4, tiers=["device", "host"])
+        m = next((m for m in ans.matches if m.worker_id == 7), None)
+        return m if m and m.host == 5 and not m.stale else None
+
+    await until(host_healed, "worker 7's lost host block found by its tier digest and healed")
     for p in (a, b):
         await p.close()
 

@@ -497,6 +497,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         "incomplete",
         "worker",
         "digest",
+        "tier_digests",
     ];
     let mut info = None;
     let mut rd = Rd::new(bytes);
@@ -537,6 +538,10 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
                 Some(d) => h.digest = Some(d),
                 None => bad = true,
             },
+            b"tier_digests" if !is_nil(v) => match read_tier_digests(v) {
+                Some(d) => h.tier_digests = Some(d),
+                None => bad = true,
+            },
             _ => {}
         }
         Some(())
@@ -560,6 +565,15 @@ fn read_digest(v: &[u8]) -> Option<Digest> {
         (Head::Uint(blocks), Head::Uint(sum)) => Some(Digest { blocks, sum }),
         _ => None,
     }
+}
+
+/// A batch's `tier_digests`: `[[host blocks, sum], [disk blocks, sum]]`.
+fn read_tier_digests(v: &[u8]) -> Option<[Digest; 2]> {
+    let mut rd = Rd::new(v);
+    let Head::Array(2) = rd.head()? else { return None };
+    let host = read_digest(rd.value()?)?;
+    let disk = read_digest(rd.value()?)?;
+    Some([host, disk])
 }
 
 /// A batch's `worker` map (`name`, and optionally `url`, `model`, `block_size`), checked.
@@ -746,6 +760,9 @@ pub struct BatchHeader {
     /// `next_event_id` (sent with it, once a heartbeat interval): kvindex compares it with
     /// its own and resyncs a worker that drifted.
     pub digest: Option<Digest>,
+    /// The digests of the host and disk blocks the publisher holds, at the same point as
+    /// `digest` (sent with it by publishers that follow those tiers).
+    pub tier_digests: Option<[Digest; 2]>,
 }
 
 /// Writes a batch's envelope, up to and including the length of its `events` list; the
@@ -758,7 +775,11 @@ pub fn write_batch_header(out: &mut Vec<u8>, h: &BatchHeader, events: u32) {
 /// engine is (`worker`) when given.
 pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Option<&WorkerInfo>, events: u32) {
     use rmp::encode::{write_array_len, write_bool, write_map_len, write_str, write_uint};
-    let optional = h.next_event_id.is_some() as u32 + h.incomplete as u32 + worker.is_some() as u32 + h.digest.is_some() as u32;
+    let optional = h.next_event_id.is_some() as u32
+        + h.incomplete as u32
+        + worker.is_some() as u32
+        + h.digest.is_some() as u32
+        + h.tier_digests.is_some() as u32;
     let _ = write_map_len(out, 7 + optional);
     if let Some(info) = worker {
         write_info(out, info);
@@ -779,11 +800,21 @@ pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Opti
         let _ = write_str(out, "incomplete");
         let _ = write_bool(out, true);
     }
-    if let Some(d) = h.digest {
-        let _ = write_str(out, "digest");
+    let write_digest = |out: &mut Vec<u8>, d: Digest| {
         let _ = write_array_len(out, 2);
         let _ = write_uint(out, d.blocks);
         let _ = write_uint(out, d.sum);
+    };
+    if let Some(d) = h.digest {
+        let _ = write_str(out, "digest");
+        write_digest(out, d);
+    }
+    if let Some(tiers) = h.tier_digests {
+        let _ = write_str(out, "tier_digests");
+        let _ = write_array_len(out, 2);
+        for d in tiers {
+            write_digest(out, d);
+        }
     }
     let _ = write_str(out, "events");
     let _ = write_array_len(out, events);
@@ -1453,6 +1484,7 @@ mod tests {
                 next_event_id: None,
                 incomplete: false,
                 digest: None,
+                tier_digests: None,
             },
             worker: None,
             events: vec![
@@ -1751,7 +1783,8 @@ mod tests {
             let next_event_id = (ids.len() % 2 == 0).then_some(ids.len() as u64);
             let incomplete = ids.len() % 3 == 0;
             let digest = (ids.len() % 4 == 1).then(|| Digest { blocks: ids.len() as u64, sum: ids.first().map_or(0, |x| x.0) });
-            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete, digest };
+            let tier_digests = (ids.len() % 5 == 1).then_some([Digest { blocks: 1, sum: u64::MAX }, Digest { blocks: ids.len() as u64, sum: 7 }]);
+            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete, digest, tier_digests };
             let batch = EventBatch { header, worker: None, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);

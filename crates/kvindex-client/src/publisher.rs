@@ -49,8 +49,8 @@ const STORED_OVERHEAD: usize = 80;
 /// Bytes one hash takes in a `removed` event, and the event's other bytes at most.
 const HASH_BYTES: usize = 9;
 const REMOVED_OVERHEAD: usize = 48;
-/// Room kept for a batch's envelope (its digest included).
-const HEADER_BYTES: usize = 192;
+/// Room kept for a batch's envelope (its digests included).
+const HEADER_BYTES: usize = 256;
 
 /// How a publisher batches and where it sends.
 #[derive(Clone, Debug)]
@@ -169,8 +169,11 @@ struct Inner {
     incomplete: bool,
     /// When a batch last said what the engine is (`None`: not yet).
     named_at: Option<Instant>,
-    /// The digest of the device blocks held (`blocks[0]`'s keys), kept as they come and go.
-    digest: Digest,
+    /// The digest of the blocks held in each tier (`blocks[t]`'s keys), kept as they come and go.
+    digest: [Digest; 3],
+    /// A host or disk block was ever held: batches that carry the device digest carry the
+    /// other tiers' too.
+    tiered: bool,
     /// When a batch last carried the digest (`None`: not yet).
     digested_at: Option<Instant>,
     /// Test builds: the next event is kept in the block set but never sent, as a bridge that
@@ -240,7 +243,8 @@ impl Publisher {
                 dropping: false,
                 incomplete: false,
                 named_at: None,
-                digest: Digest::default(),
+                digest: Default::default(),
+                tiered: false,
                 digested_at: None,
                 #[cfg(feature = "fault-injection")]
                 lose_next: false,
@@ -286,11 +290,12 @@ impl Publisher {
         for piece in blocks.chunks(s.max_event_blocks) {
             let write = |out: &mut Vec<u8>, id| write_stored(out, id, parent, piece, tier);
             s.push_noting(&mut inner, STORED_OVERHEAD + BLOCK_BYTES * piece.len(), write, |inner| {
+                inner.tiered |= tier != Tier::Device;
                 let mut prev = parent;
                 for b in piece {
                     let held = Block { parent: prev, tokens_hash: b.tokens_hash };
-                    if inner.blocks[tier as usize].insert(b.block_hash, held).is_none() && tier == Tier::Device {
-                        inner.digest.add(b.block_hash.0);
+                    if inner.blocks[tier as usize].insert(b.block_hash, held).is_none() {
+                        inner.digest[tier as usize].add(b.block_hash.0);
                     }
                     prev = Some(b.block_hash);
                 }
@@ -312,8 +317,8 @@ impl Publisher {
             let write = |out: &mut Vec<u8>, id| write_removed(out, id, piece, tier);
             s.push_noting(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), write, |inner| {
                 for h in piece {
-                    if inner.blocks[tier as usize].remove(h).is_some() && tier == Tier::Device {
-                        inner.digest.remove(h.0);
+                    if inner.blocks[tier as usize].remove(h).is_some() {
+                        inner.digest[tier as usize].remove(h.0);
                     }
                 }
             });
@@ -365,7 +370,7 @@ impl Publisher {
             for tier in inner.blocks.iter_mut() {
                 tier.clear();
             }
-            inner.digest = Digest::default();
+            inner.digest = Default::default();
             for (_, held) in inner.groups.values_mut() {
                 held.clear();
             }
@@ -558,7 +563,8 @@ impl Shared {
             snapshot_end,
             next_event_id: Some(inner.next_id),
             incomplete: inner.incomplete,
-            digest: due.then_some(inner.digest),
+            digest: due.then_some(inner.digest[0]),
+            tier_digests: (due && inner.tiered).then_some([inner.digest[1], inner.digest[2]]),
         }
     }
 
@@ -687,9 +693,7 @@ impl Shared {
         if sent < inner.blocks[tier as usize].len() {
             let reached: FxHashSet<BlockHash> = reached.into_iter().collect();
             inner.blocks[tier as usize].retain(|h, _| reached.contains(h));
-            if tier == Tier::Device {
-                inner.digest = Digest::of(inner.blocks[tier as usize].keys().map(|h| h.0));
-            }
+            inner.digest[tier as usize] = Digest::of(inner.blocks[tier as usize].keys().map(|h| h.0));
         }
         sent
     }

@@ -55,6 +55,28 @@ impl Digest {
     }
 }
 
+/// A worker's digests: of its device blocks, and of its host and disk blocks where they are
+/// known (a publisher that says them, an index that keeps those tiers).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WorkerDigests {
+    /// Its device blocks.
+    pub device: Digest,
+    /// Its host and disk blocks; `None`: not said, or not kept.
+    pub tiers: Option<[Digest; 2]>,
+}
+
+impl WorkerDigests {
+    /// Where `self` (what a publisher or sibling says) and `held` differ: the tier's name and
+    /// both digests; tiers are compared only where both know them.
+    pub fn differs(&self, held: &WorkerDigests) -> Option<(&'static str, Digest, Digest)> {
+        if self.device != held.device {
+            return Some(("device", self.device, held.device));
+        }
+        let (said, kept) = (self.tiers?, held.tiers?);
+        ["host", "disk"].into_iter().zip(said.into_iter().zip(kept)).find(|(_, (a, b))| a != b).map(|(t, (a, b))| (t, a, b))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

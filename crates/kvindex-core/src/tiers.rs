@@ -7,6 +7,7 @@
 //! is rare), and is counted apart: it says nothing about the worker's device state, so it
 //! never makes the worker stale.
 
+use crate::digest::Digest;
 use crate::event::{Event, Tier};
 use crate::hash::WorkerId;
 use crate::index::{ApplyOutcome, KvIndex, Saved};
@@ -68,6 +69,12 @@ impl<I: KvIndex> OtherTiers<I> {
     pub fn held(&self, ws: &TierWriters<I::Writer>) -> (u64, u64) {
         let count = |index: &I, w: &Option<I::Writer>| w.as_ref().map_or(0, |w| index.held(w));
         (count(&self.host, &ws.host), count(&self.disk, &ws.disk))
+    }
+
+    /// The digests of the worker's host and disk blocks.
+    pub fn digests(&self, ws: &TierWriters<I::Writer>) -> [Digest; 2] {
+        let digest = |index: &I, w: &Option<I::Writer>| w.as_ref().map_or_else(Digest::default, |w| index.digest(w));
+        [digest(&self.host, &ws.host), digest(&self.disk, &ws.disk)]
     }
 
     /// Applies a host or disk event of `worker` to that tier (a device event or a `cleared`

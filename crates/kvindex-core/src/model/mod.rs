@@ -16,7 +16,7 @@ pub use answer::{Answer, Depths, Staleness};
 pub use restate::Restate;
 
 use crate::announced::{AnnounceOutcome, Announced};
-use crate::digest::Digest;
+use crate::digest::{Digest, WorkerDigests};
 use crate::event::{Event, Tier};
 use crate::groups::{GroupWriter, Groups, SavedGroups};
 use crate::hash::{LocalHash, WorkerId};
@@ -470,6 +470,15 @@ impl<I: KvIndex> Model<I> {
     /// its publisher's digest must equal while the two agree.
     pub fn digest(&self, w: &Writers<I>, worker: WorkerId) -> Option<Digest> {
         w.workers.get(&worker).map(|ws| self.device.digest(&ws.device))
+    }
+
+    /// The digests of `worker`'s blocks in every tier this model keeps (`None` if these
+    /// writers do not know it): what its publisher's must equal while the two agree.
+    pub fn digests(&self, w: &Writers<I>, worker: WorkerId) -> Option<WorkerDigests> {
+        w.workers.get(&worker).map(|ws| WorkerDigests {
+            device: self.device.digest(&ws.device),
+            tiers: self.tiers.as_ref().map(|t| t.digests(&ws.tiers)),
+        })
     }
 
     /// `worker`, saved (`None` if these writers do not know it).
