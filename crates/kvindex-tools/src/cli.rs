@@ -36,6 +36,9 @@ enum Command {
     /// Measure sharding by worker: S shards and one daemon, each a process, on the same
     /// stream (apply CPU and memory per process, merged lookups against one daemon's).
     ShardBench(ShardBenchArgs),
+    /// kvindex beside NVIDIA Dynamo's standalone indexer, fed by the same vLLM publishers and
+    /// asked the same `POST /query`, each answer checked against the engines (`scripts/dropin`).
+    Dropin(DropinArgs),
     /// Print the configuration reference (docs/CONFIGURATION.md), generated from the code.
     ConfigReference,
 }
@@ -55,6 +58,7 @@ pub fn main() -> Result<()> {
         Command::Demo(a) => demo_cmd(a),
         Command::Gen(a) => gen_cmd(a),
         Command::ShardBench(a) => shard_bench_cmd(a),
+        Command::Dropin(a) => dropin_cmd(a),
         Command::ConfigReference => {
             print!("{}", crate::config_reference::markdown());
             Ok(())
@@ -286,6 +290,81 @@ struct ShardBenchArgs {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct DropinArgs {
+    /// Mooncake trace (JSONL) the engines serve.
+    #[arg(long, default_value = "data/traces/conversation_trace.jsonl")]
+    trace: PathBuf,
+    /// The `dynamo-indexer` binary (built from `peers/dynamo-indexer`); without it kvindex
+    /// is checked alone.
+    #[arg(long)]
+    dynamo: Option<PathBuf>,
+    /// What `scripts/fetch-engines` printed (vLLM's publisher and its Python).
+    #[arg(long)]
+    engines_dir: PathBuf,
+    /// The script that runs an engine's publisher.
+    #[arg(long, default_value = "tests/engines/engine.py")]
+    engine_script: PathBuf,
+    /// vLLM engines, each its own process and PUB socket.
+    #[arg(long, default_value_t = 8)]
+    engines: usize,
+    /// Trace requests replayed in each phase.
+    #[arg(long, default_value_t = 2000)]
+    requests: usize,
+    /// Each engine's LRU capacity, in blocks.
+    #[arg(long, default_value_t = 2048)]
+    capacity: usize,
+    /// Each trace block becomes this many blocks.
+    #[arg(long, default_value_t = 2)]
+    factor: u64,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Fraction of evictions that leave holes in the holes phase.
+    #[arg(long, default_value_t = 0.3)]
+    hole_rate: f64,
+    /// Queries per phase.
+    #[arg(long, default_value_t = 300)]
+    queries: usize,
+    /// Seconds a phase's answers may take to settle.
+    #[arg(long, default_value_t = 10)]
+    settle_s: u64,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn dropin_cmd(a: DropinArgs) -> Result<()> {
+    let s = crate::dropin::DropinSettings {
+        engines: a.engines,
+        requests: a.requests,
+        capacity: a.capacity,
+        factor: a.factor,
+        block_size: a.block_size,
+        hole_rate: a.hole_rate,
+        queries: a.queries,
+        settle_s: a.settle_s,
+        trace: crate::trace::read_trace_file(&a.trace)?,
+        engines_dir: a.engines_dir,
+        engine_script: a.engine_script,
+        dynamo: a.dynamo,
+    };
+    let reports = tokio::runtime::Builder::new_multi_thread().enable_all().build()?.block_on(crate::dropin::run(&s))?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&reports)?);
+    } else {
+        print!("{}", crate::dropin::table(&reports));
+        for r in &reports {
+            for (who, e) in [("kvindex", &r.kvindex_example), ("Dynamo", &r.dynamo_example)] {
+                if let Some(e) = e {
+                    println!("{}, {who}: {e}", r.phase);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Args)]

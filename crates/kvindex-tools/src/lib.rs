@@ -24,6 +24,8 @@
 //! - [`burst`]: the demo's bursts sharing a new prefix, routed with and without predictions.
 //! - [`http_router`]: the demo's fleet routed over kvindex's HTTP query API.
 //! - [`bridge_bench`]: `bridge-bench`: an engine's ZMQ socket to applied in kvindex.
+//! - [`dropin`]: `dropin`: kvindex beside Dynamo's standalone indexer on the same vLLM
+//!   publishers, every `POST /query` answer checked against the engines.
 //! - [`shard_bench`]: `shard-bench`: S shards against one daemon on the same stream, each in
 //!   its own process (CPU, memory, merged lookups).
 //! - `peers`: smg's and NVIDIA Dynamo's indexes behind kvindex's index trait, so `bench`
@@ -43,6 +45,7 @@ pub mod cli;
 pub mod config_reference;
 pub mod demo;
 pub mod deploy;
+pub mod dropin;
 pub mod e2e;
 pub mod fleet;
 pub mod flood;
