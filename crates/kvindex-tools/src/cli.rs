@@ -238,6 +238,10 @@ struct DemoArgs {
     /// predicted placements).
     #[arg(long)]
     no_burst: bool,
+    /// A Python with kvindex's client installed (what `scripts/python-client` prints): one
+    /// more fleet is routed through the Python client.
+    #[arg(long)]
+    python: Option<PathBuf>,
     /// Shards of kvindex sharded by worker (their own NATS server partitions the workers;
     /// the router's lookups gather every shard): the same hit rate as one index.
     #[arg(long, default_value_t = 1)]
@@ -462,6 +466,7 @@ fn demo_cmd(a: DemoArgs) -> Result<()> {
         repeat: a.repeat,
         burst: !a.no_burst,
         shards: a.shards,
+        python: a.python,
         live: if a.json { crate::demo::Live::Off } else { crate::demo::live_for_stdout() },
     };
     if !a.json {

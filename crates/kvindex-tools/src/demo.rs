@@ -15,6 +15,7 @@ pub use crate::fleet::{DemoConfig, Live};
 use crate::fleet::{Fleet, FleetReport, Policy, APPROXIMATE_BASE};
 use crate::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon, NatsProcess};
 use crate::http_router::HttpRouter;
+use crate::python_router::PythonRouter;
 use crate::trace::{chain_hashes, request_locals, TraceRequest};
 use anyhow::{Context, Result};
 use hdrhistogram::Histogram;
@@ -41,6 +42,8 @@ pub struct DemoReport {
     pub lookup_rtt_p99_us: f64,
     /// The HTTP fleet's queries that got no answer.
     pub query_api_errors: u64,
+    /// The Python fleet's lookups that got no answer.
+    pub python_errors: u64,
     /// Interrupted (Ctrl-C) before the trace ended.
     pub interrupted: bool,
     /// Bursts of requests sharing a new prefix, routed with and without predictions.
@@ -191,6 +194,8 @@ struct Routing {
     routed_only: Option<Vec<u64>>,
     /// The HTTP fleet's router, when kvindex is ours.
     http: Option<HttpRouter>,
+    /// The Python fleet's router, when a Python with the client was given.
+    python: Option<PythonRouter>,
     /// Lookup round trips, ns.
     rtt: Histogram<u64>,
     /// Lookups that failed.
@@ -208,12 +213,20 @@ impl Routing {
         let router = LookupClient::new(async_nats::connect(&at.url).await?, &cfg.prefix).with_timeout(Duration::from_secs(2));
         // Approximate mode needs its workers declared routed-only: only a kvindex of our own is.
         let own = !at.daemons.is_empty();
-        let fleets =
-            [Policy::KvAware, Policy::KvAwareHttp, Policy::Approximate, Policy::Oracle, Policy::RoundRobin, Policy::Random]
-                .into_iter()
-                .filter(|&p| own || !matches!(p, Policy::Approximate | Policy::KvAwareHttp))
-                .map(|p| Fleet::new(p, cfg.workers as usize, cfg.seed))
-                .collect();
+        let fleets = [
+            Policy::KvAware,
+            Policy::KvAwareHttp,
+            Policy::KvAwarePython,
+            Policy::Approximate,
+            Policy::Oracle,
+            Policy::RoundRobin,
+            Policy::Random,
+        ]
+        .into_iter()
+        .filter(|&p| own || !matches!(p, Policy::Approximate | Policy::KvAwareHttp))
+        .filter(|&p| cfg.python.is_some() || p != Policy::KvAwarePython)
+        .map(|p| Fleet::new(p, cfg.workers as usize, cfg.seed))
+        .collect();
         Ok(Routing {
             publishers,
             router,
@@ -222,6 +235,10 @@ impl Routing {
             routed_only: own.then(|| (APPROXIMATE_BASE..APPROXIMATE_BASE + cfg.workers).collect()),
             http: match &at.query_addr {
                 Some(addr) => Some(HttpRouter::start(nats, &cfg.prefix, cfg.workers, addr.clone(), block_tokens(cfg)).await?),
+                None => None,
+            },
+            python: match &cfg.python {
+                Some(python) => Some(PythonRouter::start(nats, &at.url, &cfg.prefix, cfg.workers, python).await?),
                 None => None,
             },
             rtt: Histogram::<u64>::new_with_bounds(1, 60_000_000_000, 3)?,
@@ -269,11 +286,16 @@ impl Routing {
             Some(h) => h.depths(&hashes).await,
             None => HashMap::new(),
         };
+        let over_python = match &mut self.python {
+            Some(p) => p.depths(&hashes).await,
+            None => HashMap::new(),
+        };
         for fleet in self.fleets.iter_mut() {
             fleet.expire(now_ms);
             let asked = match fleet.policy {
                 Policy::Approximate => &approximate,
                 Policy::KvAwareHttp => &over_http,
+                Policy::KvAwarePython => &over_python,
                 _ => &depths,
             };
             let w = fleet.choose(&engine, asked, cfg.load_weight);
@@ -291,6 +313,11 @@ impl Routing {
                 Policy::KvAwareHttp => {
                     if let Some(h) = &self.http {
                         report_cache(&h.publishers[w], &served, &engine, &locals).await;
+                    }
+                }
+                Policy::KvAwarePython => {
+                    if let Some(p) = &self.python {
+                        report_cache(&p.publishers[w], &served, &engine, &locals).await;
                     }
                 }
                 _ => {}
@@ -378,7 +405,8 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
     if view.drawn > 0 {
         println!();
     }
-    for p in routing.publishers.iter().chain(routing.http.iter().flat_map(|h| h.publishers.iter())) {
+    let fleets_publishers = routing.http.iter().flat_map(|h| h.publishers.iter());
+    for p in routing.publishers.iter().chain(fleets_publishers).chain(routing.python.iter().flat_map(|p| p.publishers.iter())) {
         p.flush().await;
     }
     let burst =
@@ -397,6 +425,7 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
         lookup_rtt_p50_us: rtt.value_at_quantile(0.5) as f64 / 1e3,
         lookup_rtt_p99_us: rtt.value_at_quantile(0.99) as f64 / 1e3,
         query_api_errors: routing.http.as_ref().map_or(0, |h| h.errors),
+        python_errors: routing.python.as_ref().map_or(0, |p| p.errors),
         interrupted,
         burst,
     })

@@ -37,6 +37,9 @@ pub struct DemoConfig {
     /// Shards of kvindex, each applying its own workers' events (on a NATS server of its own
     /// that partitions them); lookups merged across the shards.
     pub shards: u32,
+    /// A Python with kvindex's client installed (`scripts/python-client`): a fleet of its own
+    /// is then routed through it. None: no Python fleet.
+    pub python: Option<std::path::PathBuf>,
 }
 
 /// How a run shows progress while it runs.
@@ -58,6 +61,8 @@ pub enum Policy {
     KvAware,
     /// The same, asking kvindex's HTTP query API as a router written against Dynamo's would.
     KvAwareHttp,
+    /// The same, asking through kvindex's Python client, as a router written in Python would.
+    KvAwarePython,
     /// The same cost, kvindex answering from the router's announcements alone (the fleet's
     /// engines publish no events: approximate mode).
     Approximate,
@@ -72,6 +77,7 @@ impl Policy {
         match self {
             Policy::KvAware => "kv-aware (kvindex)",
             Policy::KvAwareHttp => "kv-aware, HTTP /query",
+            Policy::KvAwarePython => "kv-aware, Python client",
             Policy::Approximate => "kv-aware, no events",
             Policy::Oracle => "oracle (reads caches)",
             Policy::RoundRobin => "round-robin",
@@ -164,7 +170,7 @@ impl Fleet {
         let n = self.caches.len();
         let blocks = engine.len() as u64;
         match self.policy {
-            Policy::KvAware | Policy::KvAwareHttp | Policy::Approximate => {
+            Policy::KvAware | Policy::KvAwareHttp | Policy::KvAwarePython | Policy::Approximate => {
                 self.cheapest(|w| depths.get(&w).copied().unwrap_or(0), blocks, load_weight)
             }
             Policy::Oracle => self.cheapest(|w| self.caches[w].hits(engine) as u64, blocks, load_weight),
@@ -214,4 +220,16 @@ impl Fleet {
             requests_per_worker_mean: total as f64 / self.requests.len().max(1) as f64,
         }
     }
+}
+
+/// A fleet router's depths, or none when its lookup failed: counted in `errors`, the first
+/// failure logged (the fleet is routed by load alone until its index answers).
+pub fn depths_or_none(asked: anyhow::Result<HashMap<usize, u64>>, errors: &mut u64, router: &str) -> HashMap<usize, u64> {
+    asked.unwrap_or_else(|e| {
+        *errors += 1;
+        if *errors == 1 {
+            tracing::warn!("{router}'s lookup failed ({e:#}); routing its fleet by load alone until it answers");
+        }
+        HashMap::new()
+    })
 }

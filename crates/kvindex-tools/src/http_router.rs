@@ -37,16 +37,8 @@ impl HttpRouter {
 
     /// The fleet's depths for `hashes`, in blocks (no answer: none).
     pub async fn depths(&mut self, hashes: &[LocalHash]) -> HashMap<usize, u64> {
-        match self.ask(hashes).await {
-            Ok(d) => d,
-            Err(e) => {
-                self.errors += 1;
-                if self.errors == 1 {
-                    tracing::warn!("query API failed ({e:#}); routing the HTTP fleet by load alone until it answers");
-                }
-                HashMap::new()
-            }
-        }
+        let asked = self.ask(hashes).await;
+        crate::fleet::depths_or_none(asked, &mut self.errors, "the query API")
     }
 
     async fn ask(&self, hashes: &[LocalHash]) -> Result<HashMap<usize, u64>> {

@@ -23,6 +23,7 @@
 //!   prefix-cache hit rate of KV-aware routing against round-robin and random.
 //! - [`burst`]: the demo's bursts sharing a new prefix, routed with and without predictions.
 //! - [`http_router`]: the demo's fleet routed over kvindex's HTTP query API.
+//! - [`python_router`]: the demo's fleet routed through kvindex's Python client.
 //! - [`bridge_bench`]: `bridge-bench`: an engine's ZMQ socket to applied in kvindex.
 //! - [`dropin`]: `dropin`: kvindex beside Dynamo's standalone indexer on the same vLLM
 //!   publishers, every `POST /query` answer checked against the engines.
@@ -55,6 +56,7 @@ pub mod indexers;
 pub mod keepup;
 #[cfg(feature = "peers")]
 pub mod peers;
+pub mod python_router;
 pub mod report;
 pub mod shard_bench;
 pub mod stream;

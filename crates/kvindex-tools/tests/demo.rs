@@ -35,12 +35,22 @@ fn config(shards: u32, burst: bool) -> DemoConfig {
         live: Live::Off,
         burst,
         shards,
+        python: None,
     }
+}
+
+/// The Python that `scripts/python-client` set up with the client installed.
+fn python() -> std::path::PathBuf {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../../scripts/python-client");
+    let out = std::process::Command::new(script).output().expect("scripts/python-client runs");
+    assert!(out.status.success(), "the Python client's environment: {}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8(out.stdout).expect("a path").trim().into()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
-    let (trace, cfg) = (trace(), config(1, true));
+    let (trace, mut cfg) = (trace(), config(1, true));
+    cfg.python = Some(python());
     let report = run(&trace, &cfg, std::future::pending()).await.expect("the demo runs");
     let rate = |p: Policy| report.fleets.iter().find(|f| f.policy == p).expect("every policy reports").hit_rate;
     let (kv, oracle, rr, random) = (rate(Policy::KvAware), rate(Policy::Oracle), rate(Policy::RoundRobin), rate(Policy::Random));
@@ -56,6 +66,11 @@ async fn kv_aware_routing_beats_blind_routing_on_the_shipped_trace() {
     println!("kv-aware over HTTP {http:.3}");
     assert_eq!(report.query_api_errors, 0, "every HTTP query answered");
     assert!(http >= oracle * 0.9, "kv-aware over HTTP {http} falls short of the oracle {oracle}");
+    // A router whose lookups go through the Python client does as well.
+    let python = rate(Policy::KvAwarePython);
+    println!("kv-aware through the Python client {python:.3}");
+    assert_eq!(report.python_errors, 0, "every Python lookup answered");
+    assert!(python >= oracle * 0.9, "kv-aware through the Python client {python} falls short of the oracle {oracle}");
     let total: f64 = report.fleets[0].requests_per_worker_mean * cfg.workers as f64;
     assert_eq!(total.round() as u64, 2000);
 
