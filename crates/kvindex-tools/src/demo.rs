@@ -14,7 +14,7 @@
 pub use crate::fleet::{DemoConfig, Live};
 use crate::fleet::{Fleet, FleetReport, Policy, APPROXIMATE_BASE};
 use crate::harness::{buckets, free_port, http_body, nats_or_own, quantile, sample, Daemon, NatsProcess};
-use crate::http_router::HttpRouter;
+use crate::http_router::{HttpRouter, Prompt};
 use crate::python_router::PythonRouter;
 use crate::trace::{chain_hashes, request_locals, TraceRequest};
 use anyhow::{Context, Result};
@@ -282,9 +282,10 @@ impl Routing {
             Some(ids) => routed_depths(&self.router, &hashes, ids).await,
             None => HashMap::new(),
         };
-        let over_http = match &mut self.http {
-            Some(h) => h.depths(&hashes).await,
-            None => HashMap::new(),
+        let prompt = self.http.as_ref().map(|_| Prompt::of(req, cfg.factor, block_tokens(cfg)));
+        let over_http = match (&mut self.http, &prompt) {
+            (Some(h), Some(p)) => h.depths(&p.tokens).await,
+            _ => HashMap::new(),
         };
         let over_python = match &mut self.python {
             Some(p) => p.depths(&hashes).await,
@@ -298,8 +299,13 @@ impl Routing {
                 Policy::KvAwarePython => &over_python,
                 _ => &depths,
             };
-            let w = fleet.choose(&engine, asked, cfg.load_weight);
-            let served = fleet.serve(w, req, &engine, cfg, now_ms);
+            // The HTTP fleet's engines make their blocks from the prompt's tokens.
+            let (engine, locals) = match (&prompt, fleet.policy) {
+                (Some(p), Policy::KvAwareHttp) => (&p.engine, &p.locals),
+                _ => (&engine, &locals),
+            };
+            let w = fleet.choose(engine, asked, cfg.load_weight);
+            let served = fleet.serve(w, req, engine, cfg, now_ms);
             match fleet.policy {
                 Policy::Approximate => {
                     // No events: the router's word is all kvindex has (waited for, so the next
@@ -309,15 +315,15 @@ impl Routing {
                         tracing::warn!("announcement failed: {e}");
                     }
                 }
-                Policy::KvAware => report_cache(&self.publishers[w], &served, &engine, &locals).await,
+                Policy::KvAware => report_cache(&self.publishers[w], &served, engine, locals).await,
                 Policy::KvAwareHttp => {
                     if let Some(h) = &self.http {
-                        report_cache(&h.publishers[w], &served, &engine, &locals).await;
+                        report_cache(&h.publishers[w], &served, engine, locals).await;
                     }
                 }
                 Policy::KvAwarePython => {
                     if let Some(p) = &self.python {
-                        report_cache(&p.publishers[w], &served, &engine, &locals).await;
+                        report_cache(&p.publishers[w], &served, engine, locals).await;
                     }
                 }
                 _ => {}

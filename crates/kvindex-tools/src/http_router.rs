@@ -1,14 +1,36 @@
 //! The demo's HTTP router: a fleet of its own whose router asks kvindex's query API
-//! (`POST /query_by_hash`, the shape of Dynamo's standalone indexer) as a router written
-//! against that API would, reading `scores` in tokens; its engines publish like the others.
+//! (`POST /query` with the prompt's token ids, as Dynamo's standalone indexer documents it) as
+//! a router written against that API would, reading `scores` in tokens. Its engines hash the
+//! same tokens into their blocks, as engines do, and publish like the others.
 
+use crate::trace::{chain_hashes, TraceRequest};
 use anyhow::{Context, Result};
 use kvindex_client::publisher::{Publisher, PublisherConfig};
-use kvindex_core::hash::LocalHash;
+use kvindex_core::hash::local_hashes;
 use std::collections::HashMap;
 
 /// Worker ids of the HTTP fleet: its worker `w` is `HTTP_BASE + w`.
 pub const HTTP_BASE: u64 = 2_000_000;
+
+/// A trace request as the HTTP fleet sees it: token ids, and the blocks its engines make of them.
+pub struct Prompt {
+    /// Trace block `h` split `factor` ways: block `g = h*factor + j` holds tokens `g*bs..g*bs+bs`.
+    pub tokens: Vec<u32>,
+    /// Each block's local hash, from its tokens (kvindex's hashing, as the engines' publishers hash).
+    pub locals: Vec<u64>,
+    /// The engine's block hashes (a chain over the locals).
+    pub engine: Vec<u64>,
+}
+
+impl Prompt {
+    pub fn of(req: &TraceRequest, factor: u64, block_size: u64) -> Prompt {
+        let blocks = req.hash_ids.iter().flat_map(|&h| h * factor..h * factor + factor);
+        let tokens: Vec<u32> = blocks.flat_map(|g| (0..block_size).map(move |k| (g * block_size + k) as u32)).collect();
+        let locals: Vec<u64> = local_hashes(&tokens, block_size as usize, None, None).iter().map(|h| h.0).collect();
+        let engine = chain_hashes(&locals);
+        Prompt { tokens, locals, engine }
+    }
+}
 
 /// The fleet's router and its engines' publishers.
 pub struct HttpRouter {
@@ -35,18 +57,15 @@ impl HttpRouter {
         Ok(HttpRouter { addr, block_size: block_size.max(1), ids, publishers, errors: 0 })
     }
 
-    /// The fleet's depths for `hashes`, in blocks (no answer: none).
-    pub async fn depths(&mut self, hashes: &[LocalHash]) -> HashMap<usize, u64> {
-        let asked = self.ask(hashes).await;
+    /// The fleet's depths for a prompt's `tokens`, in blocks (no answer: none).
+    pub async fn depths(&mut self, tokens: &[u32]) -> HashMap<usize, u64> {
+        let asked = self.ask(tokens).await;
         crate::fleet::depths_or_none(asked, &mut self.errors, "the query API")
     }
 
-    async fn ask(&self, hashes: &[LocalHash]) -> Result<HashMap<usize, u64>> {
-        let body = serde_json::json!({
-            "block_hashes": hashes.iter().map(|h| h.0).collect::<Vec<_>>(),
-            "workers": self.ids,
-        });
-        let (code, text) = kvindex::cli::http::request(&self.addr, "POST", "/query_by_hash", None, Some(&body.to_string()))
+    async fn ask(&self, tokens: &[u32]) -> Result<HashMap<usize, u64>> {
+        let body = serde_json::json!({ "token_ids": tokens, "model_name": "default" });
+        let (code, text) = kvindex::cli::http::request(&self.addr, "POST", "/query", None, Some(&body.to_string()))
             .await
             .context("no answer from the query API")?;
         anyhow::ensure!(code == 200, "the query API answered {code}: {text}");
