@@ -411,8 +411,9 @@ pub async fn run(trace: &[TraceRequest], cfg: &DemoConfig, stop: impl std::futur
     if view.drawn > 0 {
         println!();
     }
-    let fleets_publishers = routing.http.iter().flat_map(|h| h.publishers.iter());
-    for p in routing.publishers.iter().chain(fleets_publishers).chain(routing.python.iter().flat_map(|p| p.publishers.iter())) {
+    let http = routing.http.iter().flat_map(|h| h.publishers.iter());
+    let python = routing.python.iter().flat_map(|p| p.publishers.iter());
+    for p in routing.publishers.iter().chain(http).chain(python) {
         p.flush().await;
     }
     let burst =

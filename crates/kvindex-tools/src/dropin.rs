@@ -7,7 +7,7 @@
 //! (a new process on the same socket, its sequence from 0, an empty cache, new content).
 
 use crate::harness::{free_port, free_port_pair, http_get, Bridge, Daemon, NatsProcess};
-use crate::trace::{chain_hashes, mock_local_hash, Holes, PrefixCache, SplitMix64, TraceRequest};
+use crate::trace::{block_tokens, chain_hashes, mock_local_hash, request_blocks, Holes, PrefixCache, SplitMix64, TraceRequest};
 use anyhow::{bail, ensure, Context, Result};
 use kvindex::config::Config;
 use kvindex_bridge::BridgeConfig;
@@ -57,7 +57,9 @@ pub struct DropinSettings {
 /// One phase's outcome, at rest.
 #[derive(Debug, Serialize)]
 pub struct PhaseReport {
+    /// What the phase did to the engines.
     pub phase: &'static str,
+    /// Queries asked of each index.
     pub queries: usize,
     /// Answers that differ from what the engines hold, by index.
     pub kvindex_wrong: usize,
@@ -122,22 +124,21 @@ impl Engine {
 
 /// The engines, what each one holds, and the trace position.
 struct Fleet {
+    /// The engines' processes, by engine.
     engines: Vec<Engine>,
+    /// Each engine's PUB port (its replay ROUTER on the next): a restart binds them again.
     ports: Vec<u16>,
+    /// What each engine holds: the truth answers are checked against.
     caches: Vec<PrefixCache>,
+    /// The caches' shared LRU clock.
     clock: u64,
     /// The next trace request to replay.
     next: usize,
 }
 
-/// A trace request's blocks as global block numbers: trace block `h` is `h*factor..`.
+/// A trace request's blocks, numbered.
 fn globals(req: &TraceRequest, factor: u64) -> Vec<u64> {
-    req.hash_ids.iter().flat_map(|&h| h * factor..h * factor + factor).collect()
-}
-
-/// The tokens of global blocks: block `g`'s tokens are `g*bs..g*bs+bs` (mod 2^32).
-fn tokens(globals: &[u64], bs: u32) -> Vec<u32> {
-    globals.iter().flat_map(|&g| (0..bs as u64).map(move |k| (g * bs as u64 + k) as u32)).collect()
+    request_blocks(req, factor).collect()
 }
 
 /// The engine's block hashes of a request's blocks (a chain, so a block's hash names its
@@ -193,7 +194,7 @@ impl Fleet {
                     "type": "BlockStored",
                     "block_hashes": hashes[from..],
                     "parent_block_hash": from.checked_sub(1).map(|p| hashes[p]),
-                    "token_ids": tokens(&g[from..], s.block_size),
+                    "token_ids": block_tokens(g[from..].iter().copied(), s.block_size as u64),
                     "block_size": s.block_size,
                     "medium": "GPU",
                 }));
@@ -215,12 +216,12 @@ impl Fleet {
             .collect()
     }
 
-    /// Publishes a probe block on engine `e` until `seen` says the indexes at `addrs` have
-    /// it (their subscription reached the socket), then removes it.
+    /// Publishes a probe block on engine `e` until the indexes at `addrs` answer with it
+    /// (their subscriptions reached the socket), then removes it.
     async fn probe(&mut self, e: usize, bs: u32, addrs: &[&str]) -> Result<()> {
         let g = [u32::MAX as u64 / bs as u64 - 1 - e as u64];
         let hash = (1u64 << 62) + e as u64;
-        let toks = tokens(&g, bs);
+        let toks = block_tokens(g, bs as u64);
         let deadline = Instant::now() + Duration::from_secs(30);
         let id = ID_BASE + e as u64;
         'wait: loop {
@@ -253,7 +254,8 @@ async fn check(
     let step = (replayed.len() / s.queries.max(1)).max(1);
     let queries: Vec<usize> = replayed.iter().step_by(step).copied().take(s.queries).collect();
     let truths: Vec<Depths> = queries.iter().map(|&r| fleet.truth(s, r)).collect();
-    let toks: Vec<Vec<u32>> = queries.iter().map(|&r| tokens(&globals(&s.trace[r], s.factor), s.block_size)).collect();
+    let toks: Vec<Vec<u32>> =
+        queries.iter().map(|&r| block_tokens(request_blocks(&s.trace[r], s.factor), s.block_size as u64)).collect();
     let start = Instant::now();
     let (mut kv_exact, mut dy_exact) = (None, None);
     loop {

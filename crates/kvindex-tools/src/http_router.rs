@@ -3,7 +3,7 @@
 //! a router written against that API would, reading `scores` in tokens. Its engines hash the
 //! same tokens into their blocks, as engines do, and publish like the others.
 
-use crate::trace::{chain_hashes, TraceRequest};
+use crate::trace::{block_tokens, chain_hashes, request_blocks, TraceRequest};
 use anyhow::{Context, Result};
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_core::hash::local_hashes;
@@ -14,7 +14,7 @@ pub const HTTP_BASE: u64 = 2_000_000;
 
 /// A trace request as the HTTP fleet sees it: token ids, and the blocks its engines make of them.
 pub struct Prompt {
-    /// Trace block `h` split `factor` ways: block `g = h*factor + j` holds tokens `g*bs..g*bs+bs`.
+    /// The request's blocks' tokens ([`block_tokens`]).
     pub tokens: Vec<u32>,
     /// Each block's local hash, from its tokens (kvindex's hashing, as the engines' publishers hash).
     pub locals: Vec<u64>,
@@ -24,8 +24,7 @@ pub struct Prompt {
 
 impl Prompt {
     pub fn of(req: &TraceRequest, factor: u64, block_size: u64) -> Prompt {
-        let blocks = req.hash_ids.iter().flat_map(|&h| h * factor..h * factor + factor);
-        let tokens: Vec<u32> = blocks.flat_map(|g| (0..block_size).map(move |k| (g * block_size + k) as u32)).collect();
+        let tokens = block_tokens(request_blocks(req, factor), block_size);
         let locals: Vec<u64> = local_hashes(&tokens, block_size as usize, None, None).iter().map(|h| h.0).collect();
         let engine = chain_hashes(&locals);
         Prompt { tokens, locals, engine }

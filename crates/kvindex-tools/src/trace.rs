@@ -216,9 +216,20 @@ pub fn chain_hashes(locals: &[u64]) -> Vec<u64> {
     engine
 }
 
+/// A trace request's blocks, numbered: trace block `h` becomes blocks `h*factor..h*factor+factor`.
+pub fn request_blocks(req: &TraceRequest, factor: u64) -> impl Iterator<Item = u64> + '_ {
+    req.hash_ids.iter().flat_map(move |&h| h * factor..h * factor + factor)
+}
+
+/// The token ids of numbered blocks, for runs that ask by tokens: block `g` holds tokens
+/// `g*bs..g*bs+bs` (mod 2^32).
+pub fn block_tokens(blocks: impl IntoIterator<Item = u64>, bs: u64) -> Vec<u32> {
+    blocks.into_iter().flat_map(|g| (0..bs).map(move |k| (g * bs + k) as u32)).collect()
+}
+
 /// The local hashes of a trace request's blocks: trace block `h` becomes `factor` blocks.
 pub fn request_locals(req: &TraceRequest, factor: u64) -> Vec<u64> {
-    req.hash_ids.iter().flat_map(|&h| (h * factor..h * factor + factor).map(mock_local_hash)).collect()
+    request_blocks(req, factor).map(mock_local_hash).collect()
 }
 
 /// Turns trace requests into events and lookups, worker by worker, as the rules of
