@@ -466,12 +466,6 @@ impl<I: KvIndex> Model<I> {
         }
     }
 
-    /// The digest of `worker`'s device blocks (`None` if these writers do not know it): what
-    /// its publisher's digest must equal while the two agree.
-    pub fn digest(&self, w: &Writers<I>, worker: WorkerId) -> Option<Digest> {
-        w.workers.get(&worker).map(|ws| self.device.digest(&ws.device))
-    }
-
     /// The digests of `worker`'s blocks in every tier this model keeps (`None` if these
     /// writers do not know it): what its publisher's must equal while the two agree.
     pub fn digests(&self, w: &Writers<I>, worker: WorkerId) -> Option<WorkerDigests> {
