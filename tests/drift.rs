@@ -110,6 +110,52 @@ async fn a_lost_host_tier_event_is_found_by_the_tier_digests() {
     d.stop().await.unwrap();
 }
 
+/// A hybrid model's group event lost without a gap: the device digests agree, the groups' do
+/// not; found and healed. A group block whose primary block the index never saw is left
+/// unplaced by design: the worker's group digest is then not compared, and sets nothing off.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_group_event_is_found_by_the_group_digest() {
+    use kvindex_client::core::GroupKind;
+    let nats = NatsServer::start();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let d = Daemon::start(&nats.url(), |_| {}).await;
+    let p = publisher(&client, 5).await;
+    // The index follows a worker's groups from its first group event on, which a hybrid
+    // engine's first batch carries; this publisher sends each event alone, so one comes first.
+    p.group_removed(1, &[BlockHash(1)]);
+    p.stored(None, &[StoredBlock::new(70, 1), StoredBlock::new(71, 2), StoredBlock::new(72, 3)]);
+    p.group_stored(1, GroupKind::Full, &[BlockHash(70), BlockHash(71)]);
+    let checks = || d.metric("kvindex_digest_checks_total");
+    let mismatches = || d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}");
+    let agreed = eventually(10, || async { (checks().await >= 2.0).then_some(()) }).await;
+    assert!(agreed.is_some(), "digests compared while the groups agree");
+    assert_eq!(mismatches().await, 0.0, "a publisher's group digest equals the index's");
+
+    p.lose_next_event();
+    p.group_stored(1, GroupKind::Full, &[BlockHash(72)]);
+    let found = eventually(10, || async { (mismatches().await >= 1.0).then_some(()) }).await;
+    assert!(found.is_some(), "the group digests differ");
+    let settled = eventually(10, || async { (d.metric("kvindex_stale_workers").await == 0.0).then_some(()) }).await;
+    assert!(settled.is_some(), "the snapshot healed the worker");
+    let (m, c) = (mismatches().await, checks().await);
+    let more = eventually(10, || async { (checks().await >= c + 3.0).then_some(()) }).await;
+    assert!(more.is_some(), "digests keep being compared");
+    assert_eq!(mismatches().await, m, "healed: the group digests agree again");
+
+    // A group block of a hash the worker's primary group never held: counted, not placed.
+    let missed_before = d.metric("kvindex_group_missed_blocks_total").await;
+    p.group_stored(1, GroupKind::Full, &[BlockHash(999)]);
+    let missed =
+        eventually(10, || async { (d.metric("kvindex_group_missed_blocks_total").await > missed_before).then_some(()) }).await;
+    assert!(missed.is_some(), "the unplaced block is counted");
+    let c = checks().await;
+    let more = eventually(10, || async { (checks().await >= c + 3.0).then_some(()) }).await;
+    assert!(more.is_some(), "digests keep being compared");
+    assert_eq!(mismatches().await, m, "an unplaced group block is no drift");
+    assert_eq!(d.metric("kvindex_event_gaps_total").await, 0.0);
+    d.stop().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn churning_engines_never_set_a_digest_off() {
     let nats = NatsServer::start();

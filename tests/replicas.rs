@@ -8,7 +8,7 @@ use futures::StreamExt;
 use kvindex_client::protocol::{encode_batch, BatchHeader, EventBatch, KvEvent, ResyncAck};
 use kvindex_client::{LookupClient, MatchEntry, Publisher, PublisherConfig, Query};
 use kvindex_core::digest::Digest;
-use kvindex_core::{Event, LocalHash, StoredBlock};
+use kvindex_core::{Event, LocalHash, StoredBlock, Tier};
 use serde_json::{json, Value};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -310,9 +310,10 @@ async fn a_thousand_workers_resyncing_never_leave_an_answer() {
 }
 
 /// Worker 1's publisher without digests (so only the replicas' comparison can find a drift):
-/// it stores `CHAIN`, heartbeats every 200 ms, and answers each resync request with a
-/// snapshot of `CHAIN`; one task numbers and sends everything, so its ids never go back.
-fn heartbeating_publisher(client: async_nats::Client) -> tokio::task::JoinHandle<()> {
+/// it stores `CHAIN` (and `host` in the host tier, if any), heartbeats every 200 ms, and
+/// answers each resync request with a snapshot of both; one task numbers and sends
+/// everything, so its ids never go back.
+fn heartbeating_publisher(client: async_nats::Client, host: &'static [(u64, u64)]) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut asks =
             futures::stream::select(client.subscribe("t.resync").await.unwrap(), client.subscribe("t.resync.1").await.unwrap());
@@ -327,8 +328,18 @@ fn heartbeating_publisher(client: async_nats::Client) -> tokio::task::JoinHandle
             snapshot_end: snapshot,
             ..BatchHeader::default()
         };
-        support::publish_with(&client, header(1, false), vec![KvEvent::stored(0, None, &CHAIN)]).await;
-        let mut next = 1;
+        let host_event = |id: u64| KvEvent {
+            event_id: id,
+            data: Event::Stored {
+                parent: None,
+                blocks: host.iter().map(|&(h, t)| StoredBlock::new(h, t)).collect(),
+                tier: Tier::Host,
+            },
+        };
+        let mut first = vec![KvEvent::stored(0, None, &CHAIN)];
+        first.extend((!host.is_empty()).then(|| host_event(1)));
+        let mut next = first.len() as u64;
+        support::publish_with(&client, header(next, false), first).await;
         let mut beat = tokio::time::interval(Duration::from_millis(200));
         loop {
             tokio::select! {
@@ -339,8 +350,9 @@ fn heartbeating_publisher(client: async_nats::Client) -> tokio::task::JoinHandle
                         let ack = ResyncAck { worker_id: 1, dp_rank: 0, epoch: 1, blocks: 3 };
                         let _ = client.publish(reply, ack.encode().into()).await;
                     }
-                    let events = vec![KvEvent { event_id: next, data: Event::Cleared }, KvEvent::stored(next + 1, None, &CHAIN)];
-                    next += 2;
+                    let mut events = vec![KvEvent { event_id: next, data: Event::Cleared }, KvEvent::stored(next + 1, None, &CHAIN)];
+                    events.extend((!host.is_empty()).then(|| host_event(next + 2)));
+                    next += events.len() as u64;
                     support::publish_with(&client, header(next, true), events).await;
                 }
             }
@@ -365,14 +377,34 @@ async fn dump_digest(addr: &str) -> String {
 /// their checkpoints, both resync the worker, and converge on the engine's state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_made_to_diverge_find_it_and_converge() {
+    let want = format!("worker 1 rank 0: 3 device blocks, digest {:016x}\n", Digest::of(CHAIN.map(|(h, _)| h)).sum);
+    diverge_and_converge(&[], CHAIN[2].0, want).await;
+}
+
+/// The same where the replicas differ only in the host tier: their device digests agree, so
+/// only a checkpoint that carries every tier's digest finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_that_differ_only_in_the_host_tier_find_it_and_converge() {
+    const HOST: [(u64, u64); 3] = [(20, 1), (21, 2), (22, 3)];
+    let want = format!(
+        "worker 1 rank 0: 3 device blocks, digest {:016x}; 3 host blocks, digest {:016x}\n",
+        Digest::of(CHAIN.map(|(h, _)| h)).sum,
+        Digest::of(HOST.map(|(h, _)| h)).sum
+    );
+    diverge_and_converge(&HOST, HOST[2].0, want).await;
+}
+
+/// Replica A and replica B (which loses block `lose` once) of worker 1's `CHAIN` and `host`:
+/// they find their difference and both come to dump `want`.
+async fn diverge_and_converge(host: &'static [(u64, u64)], lose: u64, want: String) {
     let nats = NatsServer::start();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let a = Daemon::start(&nats.url(), |cfg| cfg.replica_check_interval = 1).await;
-    let lose = CHAIN[2].0.to_string();
+    let lose = lose.to_string();
     let mut b = DaemonProcess::start(&nats.url(), &[], &[("REPLICA_CHECK_INTERVAL", "1"), ("FAULT_LOSE_BLOCK", &lose)]);
     b.wait_ready(30).await;
     let published = std::time::Instant::now();
-    let _engine = heartbeating_publisher(client.clone());
+    let _engine = heartbeating_publisher(client.clone(), host);
 
     let drifted = || async {
         a.metric("kvindex_digest_mismatch_total{source=\"replica\"}").await
@@ -380,7 +412,6 @@ async fn two_replicas_made_to_diverge_find_it_and_converge() {
     };
     let found = eventually(20, || async { (drifted().await >= 1.0).then(|| published.elapsed()) }).await;
     assert!(found.is_some(), "the replicas' checkpoints differ: {}", b.log_text());
-    let want = format!("worker 1 rank 0: 3 device blocks, digest {:016x}\n", Digest::of(CHAIN.map(|(h, _)| h)).sum);
     let (ia, ib) = (a.cfg.inspect_addr.clone(), b.inspect_addr.clone());
     let converged = eventually(20, || async {
         let (da, db) = (dump_digest(&ia).await, dump_digest(&ib).await);

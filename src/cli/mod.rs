@@ -315,14 +315,18 @@ fn dump_cmd(a: DumpArgs) -> Result<()> {
             .iter()
             .find(|w| w["worker_id"].as_u64() == Some(a.worker) && w["dp_rank"].as_u64() == Some(u64::from(a.dp_rank)))
             .with_context(|| format!("this replica does not track worker {} rank {}", a.worker, a.dp_rank))?;
-        let d = &w["blocks"]["digest"];
-        println!(
-            "worker {} rank {}: {} device blocks, digest {:016x}",
-            a.worker,
-            a.dp_rank,
-            d[0].as_u64().unwrap_or(0),
-            d[1].as_u64().unwrap_or(0)
-        );
+        let b = &w["blocks"];
+        let part = |d: &serde_json::Value| (d[0].as_u64().unwrap_or(0), d[1].as_u64().unwrap_or(0));
+        let (n, sum) = part(&b["digest"]);
+        let mut line = format!("worker {} rank {}: {n} device blocks, digest {sum:016x}", a.worker, a.dp_rank);
+        // The other parts where they hold anything, so that two replicas diff on every one.
+        let others = [("host", &b["tier_digests"][0]), ("disk", &b["tier_digests"][1]), ("group", &b["group_digest"])];
+        for (name, d) in others {
+            if let (n @ 1.., sum) = part(d) {
+                line += &format!("; {n} {name} blocks, digest {sum:016x}");
+            }
+        }
+        println!("{line}");
         return Ok(());
     }
     let n = if a.out == "-" {

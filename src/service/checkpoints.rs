@@ -3,7 +3,7 @@
 //! its siblings' not yet matched, for the workers this replica tracks (bounded by
 //! `max_workers`), dropped when the worker has taken none for a while.
 
-use kvindex_core::digest::Digest;
+use kvindex_core::digest::{Digest, WorkerDigests};
 use kvindex_core::hash::WorkerId;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
@@ -34,12 +34,29 @@ pub(super) struct Checkpoint {
     pub(super) blocks: u64,
     /// Their digest's sum.
     pub(super) sum: u64,
+    /// Its host and disk blocks' digests, where this replica keeps those tiers (absent from
+    /// older replicas' messages).
+    #[serde(default)]
+    pub(super) tiers: Option<[Digest; 2]>,
+    /// Its hybrid groups' digest, where every group block it was told of is placed.
+    #[serde(default)]
+    pub(super) groups: Option<Digest>,
 }
 
 impl Checkpoint {
-    /// `worker`'s digest `d` at `(epoch, next_event_id)`.
-    pub(super) fn new(worker: WorkerId, epoch: u64, next_event_id: u64, d: Digest) -> Checkpoint {
-        Checkpoint { worker_id: worker.worker_id, dp_rank: worker.dp_rank, epoch, next_event_id, blocks: d.blocks, sum: d.sum }
+    /// `worker`'s digests `d` at `(epoch, next_event_id)`.
+    pub(super) fn new(worker: WorkerId, epoch: u64, next_event_id: u64, d: WorkerDigests) -> Checkpoint {
+        let (blocks, sum) = (d.device.blocks, d.device.sum);
+        Checkpoint {
+            worker_id: worker.worker_id,
+            dp_rank: worker.dp_rank,
+            epoch,
+            next_event_id,
+            blocks,
+            sum,
+            tiers: d.tiers,
+            groups: d.groups,
+        }
     }
 
     /// The worker it is of.
@@ -61,8 +78,9 @@ impl Checkpoint {
         (self.epoch, self.next_event_id)
     }
 
-    pub(super) fn digest(&self) -> Digest {
-        Digest { blocks: self.blocks, sum: self.sum }
+    /// Its digests, every part it knows.
+    pub(super) fn digests(&self) -> WorkerDigests {
+        WorkerDigests { device: Digest { blocks: self.blocks, sum: self.sum }, tiers: self.tiers, groups: self.groups }
     }
 }
 
@@ -185,7 +203,7 @@ mod tests {
     use super::*;
 
     fn at(next: u64, sum: u64) -> Checkpoint {
-        Checkpoint { worker_id: 7, dp_rank: 0, epoch: 1, next_event_id: next, blocks: 3, sum }
+        Checkpoint { worker_id: 7, dp_rank: 0, epoch: 1, next_event_id: next, blocks: 3, sum, tiers: None, groups: None }
     }
 
     #[test]

@@ -61,7 +61,7 @@ fn checkpoint<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, worker: Worke
         worker,
         Box::new(move |held| {
             if let Some(d) = held.filter(|_| st.stale.get(&worker).is_none()) {
-                super::replicas::checkpointed(&st, Checkpoint::new(worker, epoch, next_event_id, d.device));
+                super::replicas::checkpointed(&st, Checkpoint::new(worker, epoch, next_event_id, d));
             }
         }),
     );
@@ -297,8 +297,11 @@ fn follow(
     // Every event placed, and nothing open that a digest would not count yet.
     let settled = !seen.gap && !seen.midstream && !cursor.restating && !header.incomplete;
     let in_sequence = header.next_event_id.is_some() && cursor.next_id == header.next_event_id;
-    seen.digest =
-        header.digest.filter(|_| settled && in_sequence).map(|device| WorkerDigests { device, tiers: header.tier_digests });
+    seen.digest = header.digest.filter(|_| settled && in_sequence).map(|device| WorkerDigests {
+        device,
+        tiers: header.tier_digests,
+        groups: header.group_digest,
+    });
     let bucket = state.replicas.bucket(header.ts_ns);
     let new_bucket = std::mem::replace(&mut cursor.bucket, bucket) != bucket && bucket > 0;
     seen.checkpoint = cursor.next_id.filter(|_| settled && new_bucket);

@@ -1,6 +1,7 @@
 //! Replicas that compare themselves: each replica of a prefix (and shard) takes a checkpoint of
-//! a worker, the digest of its device blocks at an event id, at the first batch of the worker
-//! in each `replica_check_interval` of the publisher's clock (`ts_ns`); every replica sees the
+//! a worker, the digests of its blocks (device, host, disk, hybrid groups) at an event id, at
+//! the first batch of the worker in each `replica_check_interval` of the publisher's clock
+//! (`ts_ns`); every replica sees the
 //! same batches, so they checkpoint at the same event ids. Every interval each replica
 //! publishes its new checkpoints on `{prefix}.replicas` (`.k` for shard k); a sibling holding
 //! a checkpoint at the same epoch and event id compares the two. A difference is counted
@@ -18,7 +19,7 @@ use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// Checkpoints one message carries at most (about 50 bytes each: well under NATS's 1 MB).
+/// Checkpoints one message carries at most (at most about 110 bytes each: well under NATS's 1 MB).
 const PER_MESSAGE: usize = 4096;
 
 /// What a replica publishes on `{prefix}.replicas`: its new checkpoints (msgpack).
@@ -43,14 +44,12 @@ pub(super) fn checkpointed(state: &State, c: Checkpoint) {
 /// Counts a comparison; a difference flags the worker stale (`drift`) and asks it to resync.
 fn judge(state: &State, (mine, theirs): Compared) {
     state.metrics.replicas.compared.inc();
-    if mine.digest() == theirs.digest() {
-        return;
-    }
+    let Some((part, here, there)) = mine.digests().differs(&theirs.digests()) else { return };
     let worker = mine.worker();
     state.drifted(worker, "replica", "replica_drift", || {
         format!(
-            "worker {worker} differs between replicas at event {} of epoch {}: {} device blocks (digest {:016x}) here, {} ({:016x}) on a sibling; marked stale, asking it to resync",
-            mine.next_event_id, mine.epoch, mine.blocks, mine.sum, theirs.blocks, theirs.sum
+            "worker {worker} differs between replicas at event {} of epoch {}: {} {part} blocks (digest {:016x}) here, {} ({:016x}) on a sibling; marked stale, asking it to resync",
+            mine.next_event_id, mine.epoch, here.blocks, here.sum, there.blocks, there.sum
         )
     });
 }

@@ -53,6 +53,12 @@ struct Blocks {
     /// The digest of its device blocks, `[blocks, sum]` as publishers send it: two replicas
     /// that hold the worker alike show the same.
     digest: [u64; 2],
+    /// The digests of its host and disk blocks, where this replica keeps those tiers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    tier_digests: Option<[[u64; 2]; 2]>,
+    /// The digest of a hybrid model's other groups' blocks, where every one is placed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    group_digest: Option<[u64; 2]>,
 }
 
 /// Why a worker is stale.
@@ -167,7 +173,9 @@ impl<I: KvIndex> LocalView<'_, I> {
                         disk: h.map_or(0, |h| h.disk),
                         groups: h.map_or(0, |h| h.grouped),
                         predicted: h.map_or(0, |h| h.predicted),
-                        digest: h.map_or([0, 0], |h| [h.digest.blocks, h.digest.sum]),
+                        digest: h.map_or([0, 0], |h| pair(h.digests.device)),
+                        tier_digests: h.and_then(|h| h.digests.tiers).map(|t| t.map(pair)),
+                        group_digest: h.and_then(|h| h.digests.groups).map(pair),
                     },
                     epoch,
                     next_event_id: next_id,
@@ -273,4 +281,9 @@ pub(super) async fn workers_responder<I: KvIndex>(client: async_nats::Client, st
             let _ = client.publish(reply, body.into()).await;
         }
     }
+}
+
+/// A digest as `[blocks, sum]`, as publishers send it.
+fn pair(d: kvindex_core::digest::Digest) -> [u64; 2] {
+    [d.blocks, d.sum]
 }

@@ -498,6 +498,7 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
         "worker",
         "digest",
         "tier_digests",
+        "group_digest",
     ];
     let mut info = None;
     let mut rd = Rd::new(bytes);
@@ -540,6 +541,10 @@ pub fn decode_batch(bytes: &[u8]) -> Result<EventBatch, DecodeError> {
             },
             b"tier_digests" if !is_nil(v) => match read_tier_digests(v) {
                 Some(d) => h.tier_digests = Some(d),
+                None => bad = true,
+            },
+            b"group_digest" if !is_nil(v) => match read_digest(v) {
+                Some(d) => h.group_digest = Some(d),
                 None => bad = true,
             },
             _ => {}
@@ -763,6 +768,9 @@ pub struct BatchHeader {
     /// The digests of the host and disk blocks the publisher holds, at the same point as
     /// `digest` (sent with it by publishers that follow those tiers).
     pub tier_digests: Option<[Digest; 2]>,
+    /// The digest of the (group, hash) pairs a hybrid model's other groups hold, at the same
+    /// point as `digest` (sent with it by publishers that have seen a group).
+    pub group_digest: Option<Digest>,
 }
 
 /// Writes a batch's envelope, up to and including the length of its `events` list; the
@@ -779,7 +787,8 @@ pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Opti
         + h.incomplete as u32
         + worker.is_some() as u32
         + h.digest.is_some() as u32
-        + h.tier_digests.is_some() as u32;
+        + h.tier_digests.is_some() as u32
+        + h.group_digest.is_some() as u32;
     let _ = write_map_len(out, 7 + optional);
     if let Some(info) = worker {
         write_info(out, info);
@@ -815,6 +824,10 @@ pub fn write_batch_header_named(out: &mut Vec<u8>, h: &BatchHeader, worker: Opti
         for d in tiers {
             write_digest(out, d);
         }
+    }
+    if let Some(d) = h.group_digest {
+        let _ = write_str(out, "group_digest");
+        write_digest(out, d);
     }
     let _ = write_str(out, "events");
     let _ = write_array_len(out, events);
@@ -1485,6 +1498,7 @@ mod tests {
                 incomplete: false,
                 digest: None,
                 tier_digests: None,
+                group_digest: None,
             },
             worker: None,
             events: vec![
@@ -1784,7 +1798,8 @@ mod tests {
             let incomplete = ids.len() % 3 == 0;
             let digest = (ids.len() % 4 == 1).then(|| Digest { blocks: ids.len() as u64, sum: ids.first().map_or(0, |x| x.0) });
             let tier_digests = (ids.len() % 5 == 1).then_some([Digest { blocks: 1, sum: u64::MAX }, Digest { blocks: ids.len() as u64, sum: 7 }]);
-            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete, digest, tier_digests };
+            let group_digest = (ids.len() % 3 == 2).then_some(Digest { blocks: 2, sum: ids.len() as u64 });
+            let header = BatchHeader { worker_id: 3, dp_rank: 1, epoch: 2, ts_ns: 9, snapshot: true, snapshot_end: false, next_event_id, incomplete, digest, tier_digests, group_digest };
             let batch = EventBatch { header, worker: None, events };
             let bytes = encode_batch(&batch);
             proptest::prop_assert_eq!(decode_batch(&bytes).unwrap(), batch);

@@ -29,7 +29,7 @@ use crate::shards::ResyncShard;
 use async_nats::{Client, Subject};
 use bytes::Bytes;
 use futures::StreamExt;
-use kvindex_core::digest::Digest;
+use kvindex_core::digest::{group_member, Digest};
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock, WorkerId};
 use kvindex_core::names::WorkerInfo;
 use kvindex_core::{Event, GroupKind, Tier};
@@ -174,6 +174,8 @@ struct Inner {
     /// A host or disk block was ever held: batches that carry the device digest carry the
     /// other tiers' too.
     tiered: bool,
+    /// The digest of the (group, hash) pairs `groups` holds, kept as they come and go.
+    group_digest: Digest,
     /// When a batch last carried the digest (`None`: not yet).
     digested_at: Option<Instant>,
     /// Test builds: the next event is kept in the block set but never sent, as a bridge that
@@ -244,6 +246,7 @@ impl Publisher {
                 incomplete: false,
                 named_at: None,
                 digest: Default::default(),
+                group_digest: Digest::default(),
                 tiered: false,
                 digested_at: None,
                 #[cfg(feature = "fault-injection")]
@@ -330,12 +333,16 @@ impl Publisher {
     pub fn group_stored(&self, group: u8, kind: GroupKind, hashes: &[BlockHash]) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
-        let (k, held) = inner.groups.entry(group).or_insert_with(|| (kind, FxHashSet::default()));
-        *k = kind;
-        held.extend(hashes.iter().copied());
+        inner.groups.entry(group).or_insert_with(|| (kind, FxHashSet::default())).0 = kind;
         for piece in hashes.chunks(s.max_event_hashes) {
-            s.push(&mut inner, STORED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| {
-                write_group_stored(out, id, group, kind, piece)
+            let write = |out: &mut Vec<u8>, id| write_group_stored(out, id, group, kind, piece);
+            s.push_noting(&mut inner, STORED_OVERHEAD + HASH_BYTES * piece.len(), write, |inner| {
+                let Some((_, held)) = inner.groups.get_mut(&group) else { return };
+                for h in piece {
+                    if held.insert(*h) {
+                        inner.group_digest.add(group_member(group, h.0));
+                    }
+                }
             });
         }
     }
@@ -344,13 +351,16 @@ impl Publisher {
     pub fn group_removed(&self, group: u8, hashes: &[BlockHash]) {
         let s = &self.shared;
         let mut inner = s.inner.lock();
-        if let Some((_, held)) = inner.groups.get_mut(&group) {
-            for h in hashes {
-                held.remove(h);
-            }
-        }
         for piece in hashes.chunks(s.max_event_hashes) {
-            s.push(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), |out, id| write_group_removed(out, id, group, piece));
+            let write = |out: &mut Vec<u8>, id| write_group_removed(out, id, group, piece);
+            s.push_noting(&mut inner, REMOVED_OVERHEAD + HASH_BYTES * piece.len(), write, |inner| {
+                let Some((_, held)) = inner.groups.get_mut(&group) else { return };
+                for h in piece {
+                    if held.remove(h) {
+                        inner.group_digest.remove(group_member(group, h.0));
+                    }
+                }
+            });
         }
     }
 
@@ -370,7 +380,7 @@ impl Publisher {
             for tier in inner.blocks.iter_mut() {
                 tier.clear();
             }
-            inner.digest = Default::default();
+            (inner.digest, inner.group_digest) = Default::default();
             for (_, held) in inner.groups.values_mut() {
                 held.clear();
             }
@@ -471,14 +481,10 @@ impl Drop for Publisher {
 
 impl Shared {
     /// Appends one event (at most `size` bytes, written by `write` under the next event id),
-    /// sending the batch first if the event would not fit and afterwards if it is full.
-    fn push(&self, inner: &mut Inner, size: usize, write: impl FnOnce(&mut Vec<u8>, u64)) {
-        self.push_noting(inner, size, write, |_| {});
-    }
-
-    /// [`Shared::push`], with `note` changing the block set (and its digest) as the event is
-    /// numbered: a batch sent before it never counts its blocks, one sent after always does,
-    /// so that a batch's digest is of the events before its `next_event_id`.
+    /// sending the batch first if the event would not fit and afterwards if it is full;
+    /// `note` changes the block set (and its digest) as the event is numbered: a batch sent
+    /// before it never counts its blocks, one sent after always does, so that a batch's digest
+    /// is of the events before its `next_event_id`.
     fn push_noting(&self, inner: &mut Inner, size: usize, write: impl FnOnce(&mut Vec<u8>, u64), note: impl FnOnce(&mut Inner)) {
         #[cfg(feature = "fault-injection")]
         if std::mem::take(&mut inner.lose_next) {
@@ -565,6 +571,7 @@ impl Shared {
             incomplete: inner.incomplete,
             digest: due.then_some(inner.digest[0]),
             tier_digests: (due && inner.tiered).then_some([inner.digest[1], inner.digest[2]]),
+            group_digest: (due && !inner.groups.is_empty()).then_some(inner.group_digest),
         }
     }
 

@@ -55,14 +55,25 @@ impl Digest {
     }
 }
 
-/// A worker's digests: of its device blocks, and of its host and disk blocks where they are
-/// known (a publisher that says them, an index that keeps those tiers).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+/// What a hybrid model's other group `group` holding engine hash `h` adds to the groups'
+/// digest: one set of (group, hash) pairs for every group but the primary one.
+#[inline]
+pub fn group_member(group: u8, h: u64) -> u64 {
+    mix(h) ^ u64::from(group)
+}
+
+/// A worker's digests: of its device blocks, of its host and disk blocks, and of its hybrid
+/// groups' blocks, where they are known (a publisher that says them, an index that keeps them).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WorkerDigests {
     /// Its device blocks.
     pub device: Digest,
     /// Its host and disk blocks; `None`: not said, or not kept.
     pub tiers: Option<[Digest; 2]>,
+    /// Its (group, hash) pairs of a hybrid model's other groups ([`group_member`]); `None`:
+    /// not said, not kept, or an index that left some of the worker's group blocks unplaced
+    /// (their primary block unknown), so that its digest would differ by design.
+    pub groups: Option<Digest>,
 }
 
 impl WorkerDigests {
@@ -72,8 +83,14 @@ impl WorkerDigests {
         if self.device != held.device {
             return Some(("device", self.device, held.device));
         }
-        let (said, kept) = (self.tiers?, held.tiers?);
-        ["host", "disk"].into_iter().zip(said.into_iter().zip(kept)).find(|(_, (a, b))| a != b).map(|(t, (a, b))| (t, a, b))
+        if let (Some(said), Some(kept)) = (self.tiers, held.tiers) {
+            let tiers = ["host", "disk"].into_iter().zip(said.into_iter().zip(kept));
+            if let Some((t, (a, b))) = tiers.into_iter().find(|(_, (a, b))| a != b) {
+                return Some((t, a, b));
+            }
+        }
+        let (said, kept) = (self.groups?, held.groups?);
+        (said != kept).then_some(("groups", said, kept))
     }
 }
 
@@ -91,6 +108,19 @@ mod tests {
         assert_eq!(d, Digest::of([7, 5]));
         assert_ne!(Digest::of([1, 2]), Digest::of([1, 3]));
         assert_eq!(Digest::of([1]).join(Digest::of([2])), Digest::of([2, 1]));
+    }
+
+    #[test]
+    fn every_part_is_compared_where_both_sides_know_it() {
+        let d = |h| Digest::of([h]);
+        let a = WorkerDigests { device: d(1), tiers: Some([d(2), d(3)]), groups: Some(d(4)) };
+        assert_eq!(a.differs(&a), None);
+        assert_eq!(a.differs(&WorkerDigests { device: d(9), ..a }).map(|x| x.0), Some("device"));
+        assert_eq!(a.differs(&WorkerDigests { tiers: Some([d(2), d(9)]), ..a }).map(|x| x.0), Some("disk"));
+        assert_eq!(a.differs(&WorkerDigests { groups: Some(d(9)), ..a }).map(|x| x.0), Some("groups"));
+        // A part one side does not know is not compared.
+        assert_eq!(a.differs(&WorkerDigests { tiers: None, groups: None, ..a }), None);
+        assert_ne!(group_member(1, 5), group_member(2, 5), "the same hash in two groups counts twice");
     }
 
     /// Pinned: publishers in other languages (the Python client's) compute the same.

@@ -11,6 +11,7 @@
 //! A worker's depth is the largest `e` no deeper than its primary-group depth that every
 //! other group accepts as its kind requires ([`crate::hybrid`]).
 
+use crate::digest::{group_member, Digest};
 use crate::event::{Event, Tier};
 use crate::hash::{BlockHash, LocalHash, PrefixHash, StoredBlock, WorkerId};
 use crate::hybrid::{fixed_point, Held};
@@ -220,6 +221,12 @@ pub struct GroupWriter<W> {
     blocks: SeededMap<BlockHash, Grouped>,
     /// Its non-primary groups and their kinds, by group number (what `Groups::kinds` shows).
     kinds: Vec<(u8, GroupKind)>,
+    /// The digest of the (group, hash) pairs placed in its non-primary groups, kept as they
+    /// come and go ([`crate::digest::group_member`]).
+    digest: Digest,
+    /// A group block was left unplaced since its last clear (its primary block unknown, or
+    /// the bound reached): the digest then differs from its engine's by design.
+    unplaced: bool,
 }
 
 /// A hybrid worker's group state as a snapshot keeps it.
@@ -229,6 +236,9 @@ pub struct SavedGroups {
     pub kinds: Vec<(u8, GroupKind)>,
     /// Its blocks: engine hash, prefix hash, position, group mask.
     pub blocks: Vec<(u64, u64, u32, u64)>,
+    /// Some group block was left unplaced: the restored digest stays unknown, as it was.
+    #[serde(default)]
+    pub unplaced: bool,
 }
 
 impl<I: KvIndex> Groups<I> {
@@ -245,7 +255,14 @@ impl<I: KvIndex> Groups<I> {
 
     /// A writer for `worker`, which has just shown groups.
     pub fn writer(&self, worker: WorkerId) -> GroupWriter<I::Writer> {
-        GroupWriter { worker, points: None, blocks: SeededMap::default(), kinds: Vec::new() }
+        GroupWriter {
+            worker,
+            points: None,
+            blocks: SeededMap::default(),
+            kinds: Vec::new(),
+            digest: Digest::default(),
+            unplaced: false,
+        }
     }
 
     /// Whether any worker has groups (lookups need [`Groups::limit`] only then).
@@ -328,6 +345,7 @@ impl<I: KvIndex> Groups<I> {
         let mut out = ApplyOutcome::default();
         if group == 0 || group > MAX_GROUP {
             out.group_missed += hashes.len() as u64;
+            w.unplaced |= !hashes.is_empty();
             return out;
         }
         match w.kinds.iter_mut().find(|(g, _)| *g == group) {
@@ -348,6 +366,7 @@ impl<I: KvIndex> Groups<I> {
                 Ok(pw) => w.points.insert(pw),
                 Err(_) => {
                     out.refused += 1;
+                    w.unplaced |= !hashes.is_empty();
                     return out;
                 }
             },
@@ -356,6 +375,7 @@ impl<I: KvIndex> Groups<I> {
         for &h in hashes {
             let Some(g) = w.blocks.get_mut(&h) else {
                 out.group_missed += 1;
+                w.unplaced = true;
                 continue;
             };
             if g.groups & bit != 0 {
@@ -363,6 +383,7 @@ impl<I: KvIndex> Groups<I> {
                 continue;
             }
             g.groups |= bit;
+            w.digest.add(group_member(group, h.0));
             let block = StoredBlock { block_hash: point_hash(h, group), tokens_hash: point_key(g.prefix, g.pos, group) };
             out.stored += self.points.store(pw, None, &[block]).stored;
         }
@@ -383,6 +404,7 @@ impl<I: KvIndex> Groups<I> {
             if g.groups == 0 {
                 w.blocks.remove(h);
             }
+            w.digest.remove(group_member(group, h.0));
             out.removed += self.points.remove(pw, &[point_hash(*h, group)]).removed;
         }
         out
@@ -391,6 +413,7 @@ impl<I: KvIndex> Groups<I> {
     /// Every group of the worker lost every block (it keeps its groups' kinds).
     pub fn clear(&self, w: &mut GroupWriter<I::Writer>) -> ApplyOutcome {
         w.blocks.clear();
+        (w.digest, w.unplaced) = (Digest::default(), false);
         match w.points.as_mut() {
             Some(pw) => self.points.clear(pw),
             None => ApplyOutcome::default(),
@@ -413,11 +436,17 @@ impl<I: KvIndex> Groups<I> {
         w.blocks.values().map(|g| u64::from((g.groups & !1).count_ones())).sum()
     }
 
+    /// The digest of the worker's non-primary groups, if every group block it was told of
+    /// since its last clear was placed (`None`: some were not, so it would differ by design).
+    pub fn digest(&self, w: &GroupWriter<I::Writer>) -> Option<Digest> {
+        (!w.unplaced).then_some(w.digest)
+    }
+
     /// The worker's group state, for a snapshot.
     pub fn save(&self, w: &GroupWriter<I::Writer>) -> SavedGroups {
         let mut blocks: Vec<(u64, u64, u32, u64)> = w.blocks.iter().map(|(h, g)| (h.0, g.prefix.0, g.pos, g.groups)).collect();
         blocks.sort_unstable();
-        SavedGroups { kinds: w.kinds.clone(), blocks }
+        SavedGroups { kinds: w.kinds.clone(), blocks, unplaced: w.unplaced }
     }
 
     /// Rebuilds the worker's group state from [`Groups::save`] (after a clear).
@@ -431,6 +460,7 @@ impl<I: KvIndex> Groups<I> {
                 saved.blocks.iter().filter(|b| group >= 1 && (b.3 >> group) & 1 == 1).map(|b| BlockHash(b.0)).collect();
             out.add(&self.store(w, group, kind, &hashes));
         }
+        w.unplaced |= saved.unplaced;
         out
     }
 

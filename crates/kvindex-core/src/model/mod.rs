@@ -167,8 +167,9 @@ pub struct WorkerHeld {
     pub grouped: u64,
     /// Blocks routers announced for it that its events have not shown (predictions).
     pub predicted: u64,
-    /// The digest of its GPU blocks: two replicas holding the worker alike show the same.
-    pub digest: Digest,
+    /// Its digests (GPU blocks, other tiers, groups): two replicas holding the worker alike
+    /// show the same.
+    pub digests: WorkerDigests,
     /// Batches waiting for its thread (the caller's to fill in: the model has no queue).
     pub queued: usize,
 }
@@ -469,10 +470,17 @@ impl<I: KvIndex> Model<I> {
     /// The digests of `worker`'s blocks in every tier this model keeps (`None` if these
     /// writers do not know it): what its publisher's must equal while the two agree.
     pub fn digests(&self, w: &Writers<I>, worker: WorkerId) -> Option<WorkerDigests> {
-        w.workers.get(&worker).map(|ws| WorkerDigests {
+        w.workers.get(&worker).map(|ws| self.digests_of(ws))
+    }
+
+    /// A worker's digests from its writers: its groups' is empty where it never showed a
+    /// group (a lost first group event then shows), unknown where the model keeps no groups.
+    fn digests_of(&self, ws: &WorkerWriters<I::Writer>) -> WorkerDigests {
+        WorkerDigests {
             device: self.device.digest(&ws.device),
             tiers: self.tiers.as_ref().map(|t| t.digests(&ws.tiers)),
-        })
+            groups: self.groups.as_ref().and_then(|g| ws.groups.as_ref().map_or(Some(Digest::default()), |gw| g.digest(gw))),
+        }
     }
 
     /// `worker`, saved (`None` if these writers do not know it).
@@ -494,8 +502,8 @@ impl<I: KvIndex> Model<I> {
             let (host, disk) = self.tiers.as_ref().map_or((0, 0), |t| t.held(&ws.tiers));
             let grouped = self.groups.as_ref().zip(ws.groups.as_ref()).map_or(0, |(g, gw)| g.held(gw));
             let predicted = w.predicted.get(&worker).map_or(0, |p| p.0.len() as u64);
-            let (device, digest) = (self.device.held(&ws.device), self.device.digest(&ws.device));
-            f(WorkerHeld { worker, device, host, disk, grouped, predicted, digest, queued: 0 });
+            let (device, digests) = (self.device.held(&ws.device), self.digests_of(ws));
+            f(WorkerHeld { worker, device, host, disk, grouped, predicted, digests, queued: 0 });
         }
     }
 
