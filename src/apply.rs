@@ -22,8 +22,17 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 
 /// Called on the apply thread after each batch: the worker, what the batch did, its tag, and
-/// when the thread took it from its queue.
-pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64, Instant) + Send + Sync>;
+/// when it was queued and taken.
+pub type OnApplied = Arc<dyn Fn(WorkerId, &ApplyOutcome, u64, Timing) + Send + Sync>;
+
+/// When a batch was queued and when its thread took it: the stages the hook can time.
+#[derive(Clone, Copy, Debug)]
+pub struct Timing {
+    /// When it was first offered to its thread's queue (a full queue's wait counts as queued).
+    pub queued: Instant,
+    /// When its thread took it from the queue, and applying began.
+    pub taken: Instant,
+}
 
 /// Work to run on a worker's apply thread once its queued events are applied.
 pub type Then = Box<dyn FnOnce() + Send>;
@@ -39,8 +48,9 @@ pub type OnAnnounced = Arc<dyn Fn(WorkerId, bool, &AnnounceOutcome, bool) + Send
 /// What the threads are told, through their queues.
 enum Command {
     /// Applies a worker's batch; `tag` goes to the hook (the daemon's publish time);
-    /// `restate` says where it stands in a restatement of the worker.
-    Apply { worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate },
+    /// `restate` says where it stands in a restatement of the worker; `queued`: when it was
+    /// offered to the queue.
+    Apply { worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate, queued: Instant },
     /// Runs a closure after what is queued before it.
     Then(Then),
     /// A router sent a request with these blocks to the worker.
@@ -72,6 +82,8 @@ pub struct QueueFull {
     pub events: Vec<Event>,
     /// Where it stands in a restatement.
     pub restate: Restate,
+    /// When it was offered: [`ApplyPool::apply_full`] keeps it, so the wait counts as queued.
+    pub queued: Instant,
 }
 
 /// Counters of the pool, for metrics.
@@ -153,14 +165,23 @@ impl<I: KvIndex> ApplyPool<I> {
     /// [`ApplyPool::apply`] for a batch that may open or end a restatement of the worker
     /// ([`Model::apply_restating`]).
     pub fn apply_restating(&self, worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate) {
+        self.apply_full(QueueFull { worker, events, restate, queued: Instant::now() }, tag);
+    }
+
+    /// Queues a batch [`ApplyPool::try_apply`] handed back, waiting while the queue is full.
+    pub fn apply_full(&self, full: QueueFull, tag: u64) {
+        let QueueFull { worker, events, restate, queued } = full;
         // Send fails only once the thread has exited, which happens only on shutdown.
-        let _ = self.senders[self.thread_of(worker)].send(Command::Apply { worker, events, tag, restate });
+        let _ = self.senders[self.thread_of(worker)].send(Command::Apply { worker, events, tag, restate, queued });
     }
 
     /// Queues a worker's batch, or hands it back if its thread's queue is full.
     pub fn try_apply(&self, worker: WorkerId, events: Vec<Event>, tag: u64, restate: Restate) -> Result<(), QueueFull> {
-        match self.senders[self.thread_of(worker)].try_send(Command::Apply { worker, events, tag, restate }) {
-            Err(TrySendError::Full(Command::Apply { worker, events, restate, .. })) => Err(QueueFull { worker, events, restate }),
+        let queued = Instant::now();
+        match self.senders[self.thread_of(worker)].try_send(Command::Apply { worker, events, tag, restate, queued }) {
+            Err(TrySendError::Full(Command::Apply { worker, events, restate, queued, .. })) => {
+                Err(QueueFull { worker, events, restate, queued })
+            }
             _ => Ok(()),
         }
     }
@@ -325,13 +346,13 @@ impl<I: KvIndex> ApplyThread<'_, I> {
     fn command(&mut self, cmd: Command) {
         let model = &*self.shared.model;
         match cmd {
-            Command::Apply { worker, events, tag, restate } => {
+            Command::Apply { worker, events, tag, restate, queued } => {
                 let taken = Instant::now();
                 let result = model.apply_restating(&mut self.writers, worker, &events, restate);
                 if result.is_ok() {
                     self.shared.stats.batches.fetch_add(1, Ordering::Relaxed);
                 }
-                self.report(worker, result, tag, taken);
+                self.report(worker, result, tag, Timing { queued, taken });
             }
             Command::Announce { worker, locals } => {
                 let a = model.announce(&mut self.writers, worker, &locals);
@@ -365,7 +386,7 @@ impl<I: KvIndex> ApplyThread<'_, I> {
             Command::Restore(saved) => {
                 let taken = Instant::now();
                 let result = model.restore(&mut self.writers, &saved);
-                self.report(saved.worker, result, 0, taken);
+                self.report(saved.worker, result, 0, Timing { queued: taken, taken });
             }
             Command::Then(f) => f(),
             Command::Digest(worker, f) => f(model.digests(&self.writers, worker)),
@@ -382,14 +403,14 @@ impl<I: KvIndex> ApplyThread<'_, I> {
 
     /// Counts what a batch (or a restored worker) did and tells the hook; a batch refused for
     /// want of a slot is told without its tag (it was not applied, so it has no lag).
-    fn report(&self, worker: WorkerId, result: Result<ApplyOutcome, ApplyOutcome>, tag: u64, taken: Instant) {
+    fn report(&self, worker: WorkerId, result: Result<ApplyOutcome, ApplyOutcome>, tag: u64, timing: Timing) {
         let (out, tag) = match result {
             Ok(out) => (out, tag),
             Err(refused) => (refused, 0),
         };
         self.count(&out);
         if let Some(h) = &self.shared.on_applied {
-            h(worker, &out, tag, taken);
+            h(worker, &out, tag, timing);
         }
     }
 

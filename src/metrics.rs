@@ -50,6 +50,18 @@ fn histogram(r: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogr
     h
 }
 
+/// Registers a labelled histogram with these buckets.
+fn histogram_vec(r: &Registry, name: &str, help: &str, labels: &[&str], buckets: Vec<f64>) -> HistogramVec {
+    let h = HistogramVec::new(HistogramOpts::new(name, help).buckets(buckets), labels).expect("valid metric");
+    r.register(Box::new(h.clone())).expect("unique metric");
+    h
+}
+
+/// Buckets for one hop or stage: from 1 us (a decode, an apply) to 1 s (a stalled queue).
+fn stage_buckets() -> Vec<f64> {
+    vec![0.000001, 0.0000025, 0.000005, 0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.1, 1.0]
+}
+
 /// Every metric the daemon exports; names follow Prometheus conventions.
 pub struct Metrics {
     /// Where they are registered, for rendering.
@@ -101,6 +113,8 @@ pub struct IngestMetrics {
     pub snapshots: IntCounterVec,
     /// `kvindex_event_lag_seconds`.
     pub event_lag: Histogram,
+    /// `kvindex_event_stage_seconds{stage}`: the lag's parts (their children are in `hot`).
+    pub event_stages: HistogramVec,
 }
 
 impl IngestMetrics {
@@ -161,6 +175,13 @@ impl IngestMetrics {
                 "kvindex_event_lag_seconds",
                 "Time from a batch's publish timestamp (ts_ns) to its events being applied.",
                 lag_buckets,
+            ),
+            event_stages: histogram_vec(
+                r,
+                "kvindex_event_stage_seconds",
+                "Where a batch's lag goes: transit (publish timestamp to received here), decode (received to queued for its apply thread: decoding, sequencing), queued (waiting for its apply thread), apply (applying it: visible to lookups once done).",
+                &["stage"],
+                stage_buckets(),
             ),
         }
     }
@@ -276,6 +297,8 @@ pub struct LookupMetrics {
     pub lookup_duration: HistogramVec,
     /// `kvindex_lookup_reply_failures_total`.
     pub lookup_reply_failures: IntCounter,
+    /// `kvindex_lookup_transit_seconds`: from a router's `sent_ns` to the request received.
+    pub lookup_transit: Histogram,
     /// `kvindex_lookup_member`.
     pub lookup_member: IntGauge,
     /// `kvindex_announcements_total{result}`.
@@ -299,6 +322,12 @@ impl LookupMetrics {
         LookupMetrics {
             lookups: counter_vec(r, "kvindex_lookups_total", "Lookups answered, by result.", &["result"]),
             lookup_duration,
+            lookup_transit: histogram(
+                r,
+                "kvindex_lookup_transit_seconds",
+                "Time from a lookup request's sent_ns (the router's clock) to its receipt here; the answer's own time is kvindex_lookup_duration_seconds.",
+                stage_buckets(),
+            ),
             lookup_reply_failures: counter(
                 r,
                 "kvindex_lookup_reply_failures_total",
@@ -510,11 +539,19 @@ pub struct HotMetrics {
     pub lookup_duration_ok: Histogram,
     /// `kvindex_lookup_duration_seconds{result="error"}`.
     pub lookup_duration_error: Histogram,
+    /// `kvindex_event_stage_seconds{stage="transit"}`.
+    pub stage_transit: Histogram,
+    /// `kvindex_event_stage_seconds{stage="decode"}`.
+    pub stage_decode: Histogram,
+    /// `kvindex_event_stage_seconds{stage="queued"}`.
+    pub stage_queued: Histogram,
+    /// `kvindex_event_stage_seconds{stage="apply"}`.
+    pub stage_apply: Histogram,
 }
 
 impl HotMetrics {
-    fn of(apply: &ApplyMetrics, lookups: &LookupMetrics) -> Self {
-        let (events, blocks) = (&apply.events_applied, &apply.blocks_applied);
+    fn of(ingest: &IngestMetrics, apply: &ApplyMetrics, lookups: &LookupMetrics) -> Self {
+        let (events, blocks, stage) = (&apply.events_applied, &apply.blocks_applied, &ingest.event_stages);
         HotMetrics {
             events_stored: events.with_label_values(&["stored"]),
             events_removed: events.with_label_values(&["removed"]),
@@ -525,6 +562,10 @@ impl HotMetrics {
             lookups_error: lookups.lookups.with_label_values(&["error"]),
             lookup_duration_ok: lookups.lookup_duration.with_label_values(&["ok"]),
             lookup_duration_error: lookups.lookup_duration.with_label_values(&["error"]),
+            stage_transit: stage.with_label_values(&["transit"]),
+            stage_decode: stage.with_label_values(&["decode"]),
+            stage_queued: stage.with_label_values(&["queued"]),
+            stage_apply: stage.with_label_values(&["apply"]),
         }
     }
 }
@@ -542,10 +583,10 @@ impl Metrics {
     }
 
     fn in_registry(r: Registry) -> Self {
-        let (apply, lookups) = (ApplyMetrics::new(&r), LookupMetrics::new(&r));
+        let (ingest, apply, lookups) = (IngestMetrics::new(&r), ApplyMetrics::new(&r), LookupMetrics::new(&r));
         Metrics {
-            hot: HotMetrics::of(&apply, &lookups),
-            ingest: IngestMetrics::new(&r),
+            hot: HotMetrics::of(&ingest, &apply, &lookups),
+            ingest,
             apply,
             workers: WorkerMetrics::new(&r),
             lookups,

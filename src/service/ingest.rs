@@ -19,6 +19,7 @@ use std::time::Instant;
 
 /// Applies one message from `{prefix}.events.{worker_id}`.
 pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subject: &str, payload: &[u8]) {
+    let received = Instant::now();
     let Some(subject_id) = subject_worker(state, pool, subject) else { return };
     let Some(EventBatch { header, worker: info, events }) = decode(state, subject_id, payload) else { return };
     let worker = WorkerId::new(header.worker_id, header.dp_rank);
@@ -35,7 +36,8 @@ pub(super) fn ingest<I: KvIndex>(state: &Arc<State>, pool: &ApplyPool<I>, subjec
     let whole = clear_after.is_none() && state.stale.get(&worker).is_none();
     let check = followed.digest.filter(|_| whole);
     let point = followed.checkpoint.filter(|_| whole);
-    hand_off(state, pool, worker, followed.events, followed.restate, header.ts_ns, clear_after);
+    let stamp = Stamp { ts_ns: header.ts_ns, received };
+    hand_off(state, pool, worker, followed.events, followed.restate, stamp, clear_after);
     if let Some(want) = check {
         check_digest(state, pool, worker, want);
     }
@@ -409,12 +411,13 @@ fn hand_off<I: KvIndex>(
     worker: WorkerId,
     events: Vec<Event>,
     restate: Restate,
-    ts_ns: u64,
+    stamp: Stamp,
     clear_after: Option<u64>,
 ) {
     if !events.is_empty() || restate != Restate::default() {
-        if let Err(full) = pool.try_apply(worker, events, ts_ns, restate) {
-            tokio::task::block_in_place(|| pool.apply_restating(full.worker, full.events, ts_ns, full.restate));
+        stamp.observe(state);
+        if let Err(full) = pool.try_apply(worker, events, stamp.ts_ns, restate) {
+            tokio::task::block_in_place(|| pool.apply_full(full, stamp.ts_ns));
         }
     }
     if let Some(generation) = clear_after {
@@ -423,6 +426,32 @@ fn hand_off<I: KvIndex>(
         if let Err(clear) = pool.try_then(worker, clear) {
             tokio::task::block_in_place(|| pool.then(worker, clear));
         }
+    }
+}
+
+/// When a batch was published (its `ts_ns`, the publisher's clock) and received here.
+#[derive(Clone, Copy)]
+struct Stamp {
+    /// Its publish time, ns since the Unix epoch (0: not said, so not timed).
+    ts_ns: u64,
+    /// When this replica received it.
+    received: Instant,
+}
+
+impl Stamp {
+    /// The stages before the apply thread (`transit`, `decode`) of a batch that says when it
+    /// was published; the apply thread times the rest.
+    fn observe(&self, state: &State) {
+        if self.ts_ns == 0 {
+            return;
+        }
+        let decoded = self.received.elapsed();
+        let received_ns = super::state::now_ns().saturating_sub(decoded.as_nanos() as u64);
+        let hot = &state.metrics.hot;
+        if received_ns >= self.ts_ns {
+            hot.stage_transit.observe((received_ns - self.ts_ns) as f64 / 1e9);
+        }
+        hot.stage_decode.observe(decoded.as_secs_f64());
     }
 }
 

@@ -116,6 +116,12 @@ pub(super) async fn serve_lookups<I: KvIndex>(
 async fn answer<I: KvIndex>(client: &Client, state: &State, pool: &ApplyPool<I>, room: usize, msg: async_nats::Message) {
     let start = Instant::now();
     let req = LookupRequest::decode(&msg.payload);
+    if let Some(sent) = req.as_ref().ok().and_then(|r| r.sent_ns) {
+        let now = super::state::now_ns();
+        if now >= sent {
+            state.metrics.lookups.lookup_transit.observe((now - sent) as f64 / 1e9);
+        }
+    }
     let routed = req.as_ref().ok().and_then(|r| r.routed(state.cfg.max_depth as usize));
     let (resp, ok) = respond(state, pool.model(), room, req);
     if let Some(reply) = msg.reply {

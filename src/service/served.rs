@@ -4,7 +4,7 @@
 
 use super::state::{now_ns, State};
 use super::{connect, huge_pages, ingest, lookup, recovery, replicas, routed, snapshot, stream, workers, LookupRuntime};
-use crate::apply::{ApplyPool, OnApplied};
+use crate::apply::{ApplyPool, OnApplied, Timing};
 use crate::config::{Config, Ingest};
 use crate::metrics::Metrics;
 use async_nats::Client;
@@ -218,7 +218,8 @@ impl<I: KvIndex> Running<I> {
 /// state here is now off (blocks over its bound, blocks that could not be placed).
 fn applied_hook(state: &Arc<State>) -> OnApplied {
     let state = state.clone();
-    Arc::new(move |worker, out, ts_ns, _taken| {
+    Arc::new(move |worker, out, ts_ns, timing: Timing| {
+        let applied = timing.taken.elapsed();
         let metrics = &state.metrics;
         metrics.hot.blocks_stored.inc_by(out.stored);
         metrics.hot.blocks_removed.inc_by(out.removed);
@@ -265,6 +266,11 @@ fn applied_hook(state: &Arc<State>) -> OnApplied {
         let now = now_ns();
         if ts_ns > 0 && now >= ts_ns {
             metrics.ingest.event_lag.observe((now - ts_ns) as f64 / 1e9);
+        }
+        if ts_ns > 0 {
+            let hot = &metrics.hot;
+            hot.stage_queued.observe(timing.taken.saturating_duration_since(timing.queued).as_secs_f64());
+            hot.stage_apply.observe(applied.as_secs_f64());
         }
     })
 }

@@ -13,7 +13,7 @@ use parking_lot::Mutex;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 
 /// Logs a warning at most once per interval per key, counting what it held back.
@@ -126,6 +126,4 @@ impl State {
 }
 
 /// Nanoseconds since the Unix epoch, wall-clock (what publishers stamp batches with).
-pub(super) fn now_ns() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
-}
+pub(super) use kvindex_client::protocol::now_ns;

@@ -6,6 +6,7 @@ The request and answer are docs/PROTOCOL.md's ``LookupRequest`` and ``LookupResp
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -197,6 +198,8 @@ class LookupClient:
             req["names"] = True
         if route_to is not None:
             req["route_to"] = {"worker_id": route_to[0], "dp_rank": route_to[1]}
+        # Stamped as it leaves: kvindex times the hop (kvindex_lookup_transit_seconds).
+        req["sent_ns"] = time.time_ns()
         replies = await self._gather(msgpack.packb(req))
         return self._answer(replies, max_matches)
 

@@ -36,8 +36,8 @@ pub struct BridgeMetrics {
     pub incomplete: IntGaugeVec,
     /// 1 while connected to NATS (set when scraped).
     pub nats_connected: IntGauge,
-    /// From the engine's batch timestamp to its events handed to the publisher: what the ZMQ
-    /// hop and the bridge add (the publisher's linger, 2 ms at most, comes on top).
+    /// From the engine's batch timestamp to its events handed to the publisher and sent (at
+    /// once, without a linger): what the ZMQ hop and the bridge add.
     pub engine_lag: Histogram,
 }
 

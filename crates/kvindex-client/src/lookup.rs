@@ -16,7 +16,7 @@
 //! ```
 
 use crate::error::ClientError;
-use crate::protocol::{LookupRequest, LookupResponse, MatchEntry, MatchGroup, NamedWorker, Routed, ShardOf, WorkerRef};
+use crate::protocol::{now_ns, LookupRequest, LookupResponse, MatchEntry, MatchGroup, NamedWorker, Routed, ShardOf, WorkerRef};
 use crate::shards::{answered, merge, one_count, partition, ShardAnswer};
 use async_nats::{Client, RequestErrorKind, Subject};
 use futures::StreamExt;
@@ -232,8 +232,9 @@ impl LookupClient {
     /// one index would give ([`crate::shards::merge`]); a shard that does not answer within the
     /// timeout is named in [`Answer::missing_shards`] rather than silently left out.
     pub async fn lookup(&self, query: &Query) -> Result<Answer, ClientError> {
-        let payload: bytes::Bytes =
-            rmp_serde::to_vec_named(&query.request).map_err(|e| ClientError::BadAnswer(e.to_string()))?.into();
+        // Stamped as it leaves, so that kvindex times the hop to it.
+        let sent = LookupRequest { sent_ns: Some(now_ns()), ..query.request.clone() };
+        let payload: bytes::Bytes = rmp_serde::to_vec_named(&sent).map_err(|e| ClientError::BadAnswer(e.to_string()))?.into();
         let limit = query.request.max_matches.map(|m| m as usize);
         if self.shards.load(Ordering::Relaxed) == 1 {
             // One index (as far as the last answer said): one request, one answer.

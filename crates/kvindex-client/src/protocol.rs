@@ -984,6 +984,15 @@ pub struct LookupRequest {
     /// the answer's `names`.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub names: bool,
+    /// When the router sent it, ns since the Unix epoch: kvindex times the hop to it
+    /// (`kvindex_lookup_transit_seconds`). [`crate::LookupClient`] sets it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sent_ns: Option<u64>,
+}
+
+/// Now, in ns since the Unix epoch: the wire's clock (`ts_ns`, `sent_ns`); 0 before 1970.
+pub fn now_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// A 64-bit hash sent as an unsigned or a signed (two's complement) msgpack integer.

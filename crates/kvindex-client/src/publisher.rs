@@ -564,7 +564,7 @@ impl Shared {
             worker_id: self.cfg.worker_id,
             dp_rank: self.cfg.dp_rank,
             epoch: self.cfg.epoch,
-            ts_ns: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64),
+            ts_ns: crate::protocol::now_ns(),
             snapshot,
             snapshot_end,
             next_event_id: Some(inner.next_id),

@@ -14,7 +14,7 @@ use crate::report::{histogram, progress, si, us};
 use crate::stream::Op;
 use crate::workload::Workload;
 use hdrhistogram::Histogram;
-use kvindex::apply::{ApplyPool, OnApplied};
+use kvindex::apply::{ApplyPool, OnApplied, Timing};
 use kvindex_core::hash::{LocalHash, WorkerId};
 use kvindex_core::index::{KvIndex, MatchOptions};
 use kvindex_core::model::Model;
@@ -262,9 +262,9 @@ fn prepare(wl: &Workload) -> (Vec<Option<(WorkerId, Vec<Event>)>>, Vec<Vec<Local
 fn applied_latencies(start: Instant) -> (OnApplied, Arc<Mutex<(Histogram<u64>, Histogram<u64>)>>) {
     let applied = Arc::new(Mutex::new((histogram(), histogram())));
     let recorded = applied.clone();
-    let hook: OnApplied = Arc::new(move |_worker, _out, issued, taken: Instant| {
+    let hook: OnApplied = Arc::new(move |_worker, _out, issued, timing: Timing| {
         let done = ns(start);
-        let taken = taken.saturating_duration_since(start).as_nanos() as u64;
+        let taken = timing.taken.saturating_duration_since(start).as_nanos() as u64;
         let mut h = recorded.lock();
         let _ = h.0.record(taken.saturating_sub(issued).max(1));
         let _ = h.1.record(done.saturating_sub(issued).max(1));
