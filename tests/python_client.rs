@@ -68,6 +68,7 @@ async fn the_python_client_asks_announces_and_publishes_against_one_daemon() {
     // Its heartbeats' digests agreed with the index's every time but once: the host-tier
     // block the script held without sending.
     assert_eq!(d.metric("kvindex_digest_mismatch_total{source=\"publisher\"}").await, 1.0);
+    assert!(d.metric("kvindex_lookup_transit_seconds_count").await > 0.0, "its lookups say when they were sent");
     d.stop().await.unwrap();
 }
 
