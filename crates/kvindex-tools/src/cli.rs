@@ -33,6 +33,9 @@ enum Command {
     Gen(GenArgs),
     /// Measure the bridge: a fake engine's ZMQ batches to applied in kvindex, blocks per second.
     BridgeBench(BridgeBenchArgs),
+    /// What NATS itself costs here (a bare request-reply and publish), beside a kvindex
+    /// lookup and an event to applied over the same server, at the same rate.
+    NatsFloor(NatsFloorArgs),
     /// Measure sharding by worker: S shards and one daemon, each a process, on the same
     /// stream (apply CPU and memory per process, merged lookups against one daemon's).
     ShardBench(ShardBenchArgs),
@@ -61,6 +64,12 @@ pub fn main() -> Result<()> {
         Command::Dropin(a) => dropin_cmd(a),
         Command::ConfigReference => {
             print!("{}", crate::config_reference::markdown());
+            Ok(())
+        }
+        Command::NatsFloor(a) => {
+            let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+            let r = rt.block_on(crate::nats_floor::run(a.n, a.rate))?;
+            println!("{}", serde_json::to_string_pretty(&r)?);
             Ok(())
         }
         Command::BridgeBench(a) => {
@@ -385,6 +394,16 @@ struct GenArgs {
     /// Output file (`-` for stdout).
     #[arg(long, short, default_value = "-")]
     out: String,
+}
+
+#[derive(Args)]
+struct NatsFloorArgs {
+    /// Requests (and publishes) per path.
+    #[arg(long, default_value_t = 5000)]
+    n: u64,
+    /// Per second, paced (the service benchmark asks 500 lookups a second).
+    #[arg(long, default_value_t = 500.0)]
+    rate: f64,
 }
 
 #[derive(Args)]

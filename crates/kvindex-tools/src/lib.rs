@@ -25,6 +25,8 @@
 //! - [`http_router`]: the demo's fleet routed over kvindex's HTTP query API.
 //! - [`python_router`]: the demo's fleet routed through kvindex's Python client.
 //! - [`bridge_bench`]: `bridge-bench`: an engine's ZMQ socket to applied in kvindex.
+//! - [`nats_floor`]: `nats-floor`: a bare NATS request-reply and publish beside a kvindex
+//!   lookup and event on the same server: the floor NATS sets, and kvindex's gap to it.
 //! - [`dropin`]: `dropin`: kvindex beside Dynamo's standalone indexer on the same vLLM
 //!   publishers, every `POST /query` answer checked against the engines.
 //! - [`shard_bench`]: `shard-bench`: S shards against one daemon on the same stream, each in
@@ -54,6 +56,7 @@ pub mod harness;
 pub mod http_router;
 pub mod indexers;
 pub mod keepup;
+pub mod nats_floor;
 #[cfg(feature = "peers")]
 pub mod peers;
 pub mod python_router;
