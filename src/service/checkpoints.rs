@@ -206,6 +206,17 @@ mod tests {
         Checkpoint { worker_id: 7, dp_rank: 0, epoch: 1, next_event_id: next, blocks: 3, sum, tiers: None, groups: None }
     }
 
+    /// A checkpoint of an older replica (six fields, device only) is still read; every part
+    /// of a new one travels.
+    #[test]
+    fn checkpoints_of_older_replicas_are_read_and_new_ones_carry_every_part() {
+        let old = rmp_serde::to_vec(&(7u64, 0u32, 1u64, 5u64, 3u64, 9u64)).unwrap();
+        assert_eq!(rmp_serde::from_slice::<Checkpoint>(&old).unwrap(), at(5, 9));
+        let d = |n| Digest { blocks: n, sum: n * 11 };
+        let new = Checkpoint { tiers: Some([d(1), d(2)]), groups: Some(d(3)), ..at(5, 9) };
+        assert_eq!(rmp_serde::from_slice::<Checkpoint>(&rmp_serde::to_vec(&new).unwrap()).unwrap(), new);
+    }
+
     #[test]
     fn checkpoints_compare_at_the_same_point_whichever_comes_first() {
         let r = Replicas::new(1);

@@ -114,7 +114,7 @@ where
 }
 /// Publishes `events` as one batch of `worker` (epoch 1) on prefix `t`, and flushes.
 pub async fn publish(c: &async_nats::Client, worker: u64, events: Vec<kvindex_client::protocol::KvEvent>) {
-    let ts_ns = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64);
+    let ts_ns = kvindex_client::protocol::now_ns();
     let header = kvindex_client::protocol::BatchHeader { worker_id: worker, epoch: 1, ts_ns, ..Default::default() };
     publish_with(c, header, events).await;
 }

@@ -8,6 +8,7 @@ use crate::groups::RankGroups;
 use crate::metrics::BridgeMetrics;
 use anyhow::Context;
 use bytes::Bytes;
+use kvindex_client::protocol::now_ns;
 use kvindex_client::publisher::{Publisher, PublisherConfig};
 use kvindex_core::Event;
 use std::collections::HashSet;
@@ -329,10 +330,6 @@ fn split_frames(frames: Vec<Bytes>) -> Option<(Option<Bytes>, u64, Bytes)> {
         [s, payload] => Some((None, seq(s)?, payload.clone())),
         _ => None,
     }
-}
-
-fn now_ns() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
 }
 
 #[cfg(test)]

@@ -2,7 +2,7 @@
 //! through `kvindex bridge`. A fake engine publishes vLLM-shaped batches (array events, 16-token
 //! blocks) on a PUB socket; the bridge, `kvindex serve` and `nats-server` run on this machine.
 
-use crate::harness::{buckets, free_port, http_body, quantile, sample, Bridge, Daemon, NatsProcess};
+use crate::harness::{buckets, free_port, http_body, quantile, sample, Bridge, Daemon, Latency, NatsProcess};
 use anyhow::{bail, Result};
 use bytes::Bytes;
 use kvindex::config::Config;
@@ -27,33 +27,9 @@ pub struct BridgeReport {
     pub bridge_lag_p99_ms: f64,
     /// Offered blocks per second (0: as fast as the bridge takes them).
     pub offered_blocks_per_s: f64,
-    /// Each hop of an event's way, engine to visible: the bridge's, then kvindex's stages.
-    pub stages: Vec<Stage>,
-}
-
-/// One hop of an event's way, read from the metrics: the mean, and p50 and p99 as their
-/// buckets' upper bounds, in microseconds.
-#[derive(Debug, Serialize)]
-pub struct Stage {
-    pub stage: &'static str,
-    pub mean_us: f64,
-    pub p50_us: f64,
-    pub p99_us: f64,
-}
-
-impl Stage {
-    /// Stage `stage` of histogram `name` (with `labels`, `key="value",` or none) in `text`.
-    fn read(text: &str, stage: &'static str, name: &str, labels: &str) -> Stage {
-        let b = buckets(text, &format!("{name}_bucket{{{labels}"));
-        let one = |part: &str| sample(text, &format!("{name}_{part}{{{}}}", labels.trim_end_matches(',')));
-        let (sum, count) = if labels.is_empty() {
-            (sample(text, &format!("{name}_sum")), sample(text, &format!("{name}_count")))
-        } else {
-            (one("sum"), one("count"))
-        };
-        let us = 1e6;
-        Stage { stage, mean_us: us * sum / count.max(1.0), p50_us: us * quantile(&b, 0.5), p99_us: us * quantile(&b, 0.99) }
-    }
+    /// Each hop of an event's way, engine to visible, from the metrics: the bridge's, then
+    /// kvindex's stages.
+    pub stages: Vec<Latency>,
 }
 
 /// Pushes `batches` batches of `events` events of `blocks` blocks through the bridge, at
@@ -113,9 +89,9 @@ pub async fn run(batches: u64, events: u64, blocks: u64, rate: f64) -> Result<Br
     let lag = quantile(&buckets(&text, "kvindex_event_lag_seconds_bucket{"), 0.99);
     let bridge_text = http_body(&bridge_addr, "/metrics").await;
     let bridge_lag = quantile(&buckets(&bridge_text, "kvindex_bridge_engine_lag_seconds_bucket{"), 0.99);
-    let mut stages = vec![Stage::read(&bridge_text, "engine to sent (bridge)", "kvindex_bridge_engine_lag_seconds", "")];
+    let mut stages = vec![Latency::of_metric("engine to sent (bridge)", &bridge_text, "kvindex_bridge_engine_lag_seconds", "")];
     for s in ["transit", "decode", "queued", "apply"] {
-        stages.push(Stage::read(&text, s, "kvindex_event_stage_seconds", &format!("stage=\"{s}\",")));
+        stages.push(Latency::of_metric(s, &text, "kvindex_event_stage_seconds", &format!("stage=\"{s}\"")));
     }
     let _ = bridge.stop().await;
     daemon.stop().await?;

@@ -195,6 +195,33 @@ pub fn buckets(text: &str, series: &str) -> Vec<(f64, f64)> {
     out
 }
 
+/// One path's or stage's latency in microseconds: the mean, p50 and p99.
+#[derive(Debug, serde::Serialize)]
+pub struct Latency {
+    pub what: &'static str,
+    pub mean_us: f64,
+    pub p50_us: f64,
+    pub p99_us: f64,
+}
+
+impl Latency {
+    /// Histogram `name` in Prometheus `text`, its series with `labels` (`key="value"`, or
+    /// none): p50 and p99 are their buckets' upper bounds.
+    pub fn of_metric(what: &'static str, text: &str, name: &str, labels: &str) -> Latency {
+        let (open, series) =
+            if labels.is_empty() { (String::new(), String::new()) } else { (format!("{labels},"), format!("{{{labels}}}")) };
+        let b = buckets(text, &format!("{name}_bucket{{{open}"));
+        let (sum, count) = (sample(text, &format!("{name}_sum{series}")), sample(text, &format!("{name}_count{series}")));
+        Latency { what, mean_us: 1e6 * sum / count.max(1.0), p50_us: 1e6 * quantile(&b, 0.5), p99_us: 1e6 * quantile(&b, 0.99) }
+    }
+
+    /// A histogram of nanoseconds.
+    pub fn of_histogram(what: &'static str, h: &hdrhistogram::Histogram<u64>) -> Latency {
+        let us = |ns: u64| ns as f64 / 1e3;
+        Latency { what, mean_us: h.mean() / 1e3, p50_us: us(h.value_at_quantile(0.5)), p99_us: us(h.value_at_quantile(0.99)) }
+    }
+}
+
 /// Quantile `q` of cumulative buckets, as the upper bound of its bucket; 0 when empty.
 pub fn quantile(buckets: &[(f64, f64)], q: f64) -> f64 {
     let total = buckets.last().map_or(0.0, |b| b.1);

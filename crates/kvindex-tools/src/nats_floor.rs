@@ -4,7 +4,7 @@
 //! stage timings), each paced at the same rate on one local `nats-server`: the gap between
 //! a pair is kvindex's own cost, the bare figure the floor no NATS client goes below.
 
-use crate::harness::{buckets, free_port, http_body, quantile, sample, Daemon, NatsProcess};
+use crate::harness::{free_port, http_body, sample, Daemon, Latency, NatsProcess};
 use anyhow::{bail, Context, Result};
 use futures::StreamExt;
 use hdrhistogram::Histogram;
@@ -14,22 +14,6 @@ use kvindex_client::{LookupClient, Publisher, PublisherConfig, Query};
 use kvindex_core::hash::{BlockHash, LocalHash, StoredBlock};
 use serde::Serialize;
 use std::time::{Duration, Instant};
-
-/// One path's latency, microseconds.
-#[derive(Debug, Serialize)]
-pub struct Latency {
-    pub path: &'static str,
-    pub p50_us: f64,
-    pub p99_us: f64,
-    pub mean_us: f64,
-}
-
-impl Latency {
-    fn of(path: &'static str, h: &Histogram<u64>) -> Latency {
-        let us = |ns: u64| ns as f64 / 1e3;
-        Latency { path, p50_us: us(h.value_at_quantile(0.5)), p99_us: us(h.value_at_quantile(0.99)), mean_us: h.mean() / 1e3 }
-    }
-}
 
 /// What a run measured: each path, `n` times at `rate` a second.
 #[derive(Debug, Serialize)]
@@ -81,7 +65,7 @@ async fn bare_request_reply(a: &async_nats::Client, b: &async_nats::Client, n: u
         let _ = h.record(sent.elapsed().as_nanos().max(1) as u64);
     }
     responder.abort();
-    Ok(Latency::of("bare NATS request-reply", &h))
+    Ok(Latency::of_histogram("bare NATS request-reply", &h))
 }
 
 /// A bare publish from `a`: the subscriber on `b` reads the send time from the payload.
@@ -104,7 +88,7 @@ async fn bare_publish(a: &async_nats::Client, b: &async_nats::Client, n: u64, ra
     }
     a.flush().await?;
     let h = tokio::time::timeout(Duration::from_secs(30), listener).await.context("every publish heard")??;
-    Ok(Latency::of("bare NATS publish to subscriber", &h))
+    Ok(Latency::of_histogram("bare NATS publish to subscriber", &h))
 }
 
 /// kvindex on the same server: a lookup from `a`, and an event batch from `b` to applied.
@@ -139,7 +123,7 @@ async fn kvindex_paths(
         lookups.lookup(&query).await.context("kvindex lookup")?;
         let _ = h.record(sent.elapsed().as_nanos().max(1) as u64);
     }
-    let lookup = Latency::of("kvindex lookup (LookupClient over NATS)", &h);
+    let lookup = Latency::of_histogram("kvindex lookup (LookupClient over NATS)", &h);
     let applied = 2 * n;
     let deadline = Instant::now() + Duration::from_secs(30);
     let text = loop {
@@ -154,14 +138,7 @@ async fn kvindex_paths(
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     };
-    let lag = buckets(&text, "kvindex_event_lag_seconds_bucket{");
-    let (sum, count) = (sample(&text, "kvindex_event_lag_seconds_sum"), sample(&text, "kvindex_event_lag_seconds_count"));
-    let event = Latency {
-        path: "kvindex event: published to applied (bucket bounds)",
-        p50_us: 1e6 * quantile(&lag, 0.5),
-        p99_us: 1e6 * quantile(&lag, 0.99),
-        mean_us: 1e6 * sum / count.max(1.0),
-    };
+    let event = Latency::of_metric("kvindex event: published to applied (bucket bounds)", &text, "kvindex_event_lag_seconds", "");
     publisher.close().await;
     daemon.stop().await?;
     Ok([lookup, event])
